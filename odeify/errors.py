@@ -1,0 +1,23 @@
+"""Errors raised where bad input enters odeify, each naming the problem and the fix."""
+
+from __future__ import annotations
+
+
+class OdeifyError(ValueError):
+    """Base class: a user-facing error whose message says what is wrong and what to do."""
+
+
+class ModelLoadError(OdeifyError):
+    """A model name or checkpoint could not be turned into an nn.Module."""
+
+
+class TraceError(OdeifyError):
+    """torch.fx could not trace the model, or the example input does not fit it."""
+
+
+class NoResidualBlocksError(OdeifyError):
+    """The model has no residual block that odeify can turn into an ODE stage."""
+
+
+class ConfigError(OdeifyError):
+    """A conversion setting (integrator, steps, knots, basis, backward mode, stage name) is invalid."""
