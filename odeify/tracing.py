@@ -1,0 +1,180 @@
+"""Trace a model with torch.fx and annotate every node with its shape, without a real forward.
+
+Leaf policy (which modules stay opaque ``call_module`` nodes):
+
+* timm's registry of untraceable modules, minus ``NormFreeBlock`` (kept opaque it would hide
+  NF-ResNet's residual structure);
+* ``DropPath``: traced through, its in-place ``div_`` is dropped by dead-code elimination;
+* torch.nn modules, as fx does by default, so norm layers that branch on ``self.training`` never
+  have the training flag frozen into the graph;
+* except the parameterised layers in :data:`TRACE_THROUGH`, which are traced into functional calls
+  so their weights appear as ``get_attr`` nodes that later passes can rewrite.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from odeify.errors import TraceError
+
+TRACE_THROUGH: tuple[type[nn.Module], ...] = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.Linear,
+    nn.GroupNorm,
+    nn.LayerNorm,
+)
+"""torch.nn layers traced into ``torch.conv2d(x, self.weight, ...)`` and the like."""
+
+
+def _timm_leaves() -> tuple[set[type[nn.Module]], tuple]:
+    """timm's untraceable modules and functions, adjusted as the module docstring says."""
+    from timm.layers import DropPath
+    from timm.layers import _fx as timm_fx
+
+    leaves = set(timm_fx.get_notrace_modules())
+    try:
+        from timm.models.nfnet import NormFreeBlock
+
+        leaves.discard(NormFreeBlock)
+    except ImportError:  # pragma: no cover - older timm without NF nets
+        pass
+    leaves.add(DropPath)
+    return leaves, tuple(timm_fx.get_notrace_functions())
+
+
+class ResidualTracer(fx.Tracer):
+    """An fx tracer with odeify's leaf policy; ``extra_leaves`` lets users keep more modules opaque."""
+
+    def __init__(self, extra_leaves: Sequence[type[nn.Module]] = ()) -> None:
+        leaves, functions = _timm_leaves()
+        super().__init__(autowrap_functions=functions)
+        self.leaf_types = leaves | set(extra_leaves)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if type(m) in self.leaf_types:
+            return True
+        if isinstance(m, TRACE_THROUGH) and type(m).__module__.startswith("torch.nn"):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
+    """Symbolically trace ``model``; on failure say which code FX choked on and what to do."""
+    tracer = ResidualTracer(extra_leaves)
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
+        raise TraceError(_untraceable_message(model, exc)) from exc
+    name = type(model).__name__
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def _untraceable_message(model: nn.Module, exc: Exception) -> str:
+    where = _innermost_module_frame(exc, model)
+    location = f" in module '{where[0]}' ({where[1]})" if where else ""
+    return (
+        f"torch.fx could not trace {type(model).__name__}{location}: {type(exc).__name__}: {exc}. "
+        "This usually means data-dependent Python control flow (an `if` or loop on tensor values) "
+        "or a call FX cannot symbolize. Keep that module opaque by passing its class as a leaf, "
+        "e.g. odeify.analyze(model, leaf_modules=[ThatModule]) or `--leaf ThatModule` on the CLI; "
+        "a leaf cannot be part of an ODE stage's weights, but the rest of the model still converts."
+    )
+
+
+def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, str] | None:
+    """The deepest submodule whose forward appears in the traceback, as (qualified name, class)."""
+    by_code = {}
+    for qualified, sub in model.named_modules():
+        code = getattr(type(sub).forward, "__code__", None)
+        if code is not None:
+            by_code.setdefault(code, (qualified or "<root>", type(sub).__name__))
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        hit = by_code.get(tb.tb_frame.f_code)
+        if hit is not None:
+            found = hit
+        tb = tb.tb_next
+    return found
+
+
+def annotate_shapes(gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
+    """Record ``node.meta["tensor_meta"]`` for every node, running the graph on fake tensors.
+
+    Fake tensors carry shapes and dtypes but no data, so a resnet152 costs no real forward.
+    An input the model rejects raises a :class:`TraceError` naming the node that failed.
+    """
+
+    if dtype is None:
+        dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    example = mode.from_tensor(torch.empty(tuple(input_shape), dtype=dtype))
+    prop = _QuietShapeProp(gm, fake_mode=mode)
+    try:
+        prop.propagate(example)
+    except _NodeFailed as failed:
+        raise TraceError(
+            f"The model rejects an input of shape {tuple(input_shape)}: node '{failed.node.name}' "
+            f"({failed.node.format_node()}) failed with {failed.cause}. Pass the input size the model "
+            "was built for, e.g. input_size=(1, 3, 224, 224) or `--input-size 3 224 224`."
+        ) from failed.cause
+
+
+class _NodeFailed(Exception):
+    def __init__(self, node: fx.Node, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.node = node
+        self.cause = cause
+
+
+class _QuietShapeProp(fx.Interpreter):
+    """ShapeProp without its traceback printing: failures become :class:`_NodeFailed`."""
+
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:
+        from torch._dynamo.utils import deepcopy_to_fake_tensor
+
+        super().__init__(gm)
+        self.fake_mode = fake_mode
+        self.real_module = gm
+        self.fake_module = deepcopy_to_fake_tensor(gm, fake_mode)
+
+    def run_node(self, n: fx.Node):
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        self.module = self.fake_module
+        try:
+            with self.fake_mode:
+                result = super().run_node(n)
+        except Exception as exc:
+            raise _NodeFailed(n, exc) from exc
+        finally:
+            self.module = self.real_module
+        if isinstance(result, torch.Tensor):
+            n.meta["tensor_meta"] = _extract_tensor_metadata(result)
+        elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
+            n.meta["tensor_meta"] = type(result)(_extract_tensor_metadata(r) for r in result)
+        return result
+
+    def propagate(self, *args):
+        return super().run(*args)
+
+
+def node_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The annotated tensor shape of a node, or None when it does not produce one tensor."""
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if isinstance(meta, TensorMetadata) else None
+
+
+def suggest_names(name: str, candidates: Sequence[str], n: int = 5) -> list[str]:
+    """Close matches for a misspelled name, for error messages."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)

@@ -1,0 +1,145 @@
+"""Analysis pass: find residual blocks in a shape-annotated fx graph, from the graph alone.
+
+A block is a *join* (an add of two same-shape tensors) and its *fork*, the join's immediate
+dominator among data nodes. The region between them must be single-entry/single-exit, apart from
+side chains that never reach the output (``torch._assert``). Results go to ``node.meta["odeify"]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import networkx as nx
+import torch.fx as fx
+
+from odeify.plan import Block
+from odeify.tracing import node_shape
+from passes.graph_utils import (
+    activation_of,
+    data_graph,
+    data_nodes,
+    is_add_join,
+    live_nodes,
+    node_tensors,
+    skip_identity,
+    weight_expressions,
+)
+
+META_KEY = "odeify"
+
+
+def find_blocks(gm: fx.GraphModule) -> list[Block]:
+    """Every residual block in ``gm`` (which must carry ``tensor_meta``), in graph order."""
+    graph = gm.graph
+    data = data_nodes(graph)
+    dg = data_graph(graph, data)
+    idom = nx.immediate_dominators(dg, "__root__")
+    live = live_nodes(graph)
+    nodes = {n.name: n for n in graph.nodes}
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    modules = dict(gm.named_modules())
+
+    blocks: list[Block] = []
+    for join in graph.nodes:
+        if not is_add_join(join) or join.name not in live:
+            continue
+        out_shape = node_shape(join)
+        operands = [a for a in join.args if isinstance(a, fx.Node)]
+        if out_shape is None or any(node_shape(a) != out_shape for a in operands):
+            continue  # broadcast add (biases, position embeddings): not a block
+        fork = nodes.get(idom.get(join.name, "__root__"))
+        if fork is None or node_shape(fork) is None:
+            continue  # fork is a tuple (Res2Net's split) or the virtual root
+        region = _region(dg, fork.name, join.name)
+        if not _single_entry_exit(region, fork, join, nodes, live, data):
+            continue
+        region |= {w.name for name in region for w in weight_expressions(nodes[name], data)}
+        shortcut_is_fork = any(skip_identity(a, modules) is fork for a in operands)
+        output, activation = _closing_activation(join, modules)
+        branch = tuple(sorted(region, key=order.__getitem__))
+        blocks.append(
+            Block(
+                index=len(blocks),
+                fork=fork.name,
+                join=join.name,
+                output=output.name,
+                kind="identity" if shortcut_is_fork else "projection",
+                form="post" if activation else "pre",
+                activation=activation,
+                in_shape=node_shape(fork),
+                out_shape=node_shape(output),
+                nodes=branch,
+                parameters=_parameter_count(branch, nodes, gm),
+                scope=_scope(branch, nodes),
+            )
+        )
+    _annotate(graph, blocks)
+    return blocks
+
+
+def _region(dg: nx.DiGraph, fork: str, join: str) -> set[str]:
+    """Nodes strictly between fork and join: reachable from the fork and reaching the join."""
+    return (nx.descendants(dg, fork) & nx.ancestors(dg, join)) - {fork, join}
+
+
+def _single_entry_exit(
+    region: set[str], fork: fx.Node, join: fx.Node, nodes: dict[str, fx.Node], live: set[str], data: set[str]
+) -> bool:
+    inside = region | {fork.name}
+    for name in region:
+        node = nodes[name]
+        if any(inp.name not in inside for inp in node.all_input_nodes if inp.name in data):
+            return False
+        for user in node.users:
+            if user.name not in region and user is not join and user.name in live:
+                return False
+    return True
+
+
+def _closing_activation(join: fx.Node, modules: dict) -> tuple[fx.Node, str | None]:
+    """The pointwise activation that closes a post-activation block, if the join's only user is one."""
+    users = list(join.users)
+    if len(users) == 1:
+        name = activation_of(users[0], modules)
+        if name is not None and users[0].args and users[0].args[0] is join:
+            return users[0], name
+    return join, None
+
+
+def _parameter_count(branch: tuple[str, ...], nodes: dict[str, fx.Node], gm: fx.GraphModule) -> int:
+    seen: dict[str, int] = {}
+    for name in branch:
+        node = nodes[name]
+        for inp in _own_attributes(node):
+            for qualified, tensor in node_tensors(inp, gm):
+                if tensor.requires_grad:
+                    seen[qualified] = tensor.numel()
+    return sum(seen.values())
+
+
+def _scope(branch: tuple[str, ...], nodes: dict[str, fx.Node]) -> str:
+    """The module path the block lives under (for display and stage names), from its parameter paths."""
+    paths = []
+    for name in branch:
+        node = nodes[name]
+        paths.extend(inp.target.split(".") for inp in _own_attributes(node))
+    return ".".join(os.path.commonprefix(paths)) if paths else ""
+
+
+def _own_attributes(node: fx.Node) -> list[fx.Node]:
+    """The node itself when it calls a module, plus the get_attr nodes it reads."""
+    own = [node] if node.op == "call_module" else []
+    return own + [inp for inp in node.all_input_nodes if inp.op == "get_attr"]
+
+
+def _annotate(graph: fx.Graph, blocks: list[Block]) -> None:
+    for node in graph.nodes:
+        node.meta.pop(META_KEY, None)
+    by_name = {n.name: n for n in graph.nodes}
+    for block in blocks:
+        for name in block.nodes:
+            by_name[name].meta.setdefault(META_KEY, {})["block"] = block.index
+            by_name[name].meta[META_KEY]["role"] = "branch"
+        for role, name in (("join", block.join), ("output", block.output)):
+            meta = by_name[name].meta.setdefault(META_KEY, {})
+            meta.update(block=block.index, role=role)
