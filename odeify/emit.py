@@ -1,0 +1,234 @@
+"""Write an ODE stage's computation as fx nodes: weights at stage times, the field, the steps.
+
+One writer serves both uses: the ``lower`` pass inlines a whole stage into a model graph, and
+:meth:`ODEStage.step_graph` builds one-step graphs that run eagerly and are re-run by the
+adjoint modes. Coefficients are exact Fractions from the basis; a one-hot row references its knot
+directly, so native-depth Euler adds no arithmetic to the original network.
+"""
+
+from __future__ import annotations
+
+import operator
+from fractions import Fraction
+
+import torch
+import torch.fx as fx
+
+from odeify.stage import ODEStage, Slot
+from odeify.tableaus import ReversibleHeun, Tableau
+
+META_KEY = "odeify"
+DENSE_MIX_ABOVE = 4  # rows with more nonzero coefficients use one tensordot instead of a sum
+
+
+class StageWriter:
+    """Emits nodes for one stage into ``graph``.
+
+    ``prefix`` is the stage's attribute path as seen from the graph's owner module ("" when the
+    owner is the stage itself). ``knot_inputs`` maps slot names to nodes holding the stacked knots
+    (get_attr nodes in a model graph, placeholders in a step graph).
+    """
+
+    def __init__(self, stage: ODEStage, graph: fx.Graph, prefix: str, knot_inputs: dict[str, fx.Node]):
+        self.stage = stage
+        self.graph = graph
+        self.prefix = f"{prefix}." if prefix else ""
+        self.knot_inputs = knot_inputs
+        self.tag = stage.stage_name.replace(".", "_")
+        self._weights: dict[tuple, list[fx.Node]] = {}
+        self._fields: dict[tuple, fx.Node] = {}
+        self._knots: dict[tuple[str, int], fx.Node] = {}
+        self.evaluations = 0
+
+    # -- node creation -------------------------------------------------------------------------
+    def node(
+        self, op: str, target, args: tuple, kwargs: dict | None = None, name: str | None = None
+    ) -> fx.Node:
+        created = self.graph.create_node(op, target, args, kwargs or {}, name=name)
+        created.meta[META_KEY] = {"stage": self.stage.stage_name}
+        return created
+
+    def attr(self, path: str, name: str) -> fx.Node:
+        return self.node("get_attr", f"{self.prefix}{path}", (), name=name)
+
+    # -- weights at a stage time ---------------------------------------------------------------
+    def weights(self, t: Fraction, left: bool) -> list[fx.Node]:
+        """One node per template slot: the weight path theta(t) (or theta(t-) when ``left``)."""
+        row = self.stage.row(t, left)
+        if row not in self._weights:
+            self._weights[row] = [self._slot_weight(slot, row) for slot in self.stage.slots]
+        return self._weights[row]
+
+    def _slot_weight(self, slot: Slot, row: tuple[Fraction, ...]) -> fx.Node:
+        if slot.kind == "shared":
+            return self.attr(self.stage.slot_attr(slot), slot.name)
+        stack = self.knot_inputs[slot.name]
+        nonzero = [(k, c) for k, c in enumerate(row) if c != 0]
+        if len(nonzero) == 1 and nonzero[0][1] == 1:
+            return self._knot(slot, nonzero[0][0])
+        label = f"{self.tag}_{slot.name}_mix"
+        if len(nonzero) > DENSE_MIX_ABOVE:
+            mix = self.attr("mix", "mix")
+            coeffs = self.node("call_function", operator.getitem, (mix, self.stage.mix_index(row)))
+            return self.node("call_function", torch.tensordot, (coeffs, stack), {"dims": 1}, name=label)
+        total = None
+        for k, c in nonzero:
+            term = self.node("call_function", operator.mul, (self._knot(slot, k), float(c)))
+            total = (
+                term if total is None else self.node("call_function", operator.add, (total, term), name=label)
+            )
+        return total
+
+    def _knot(self, slot: Slot, k: int) -> fx.Node:
+        """Knot ``k`` of a slot: a view of the stacked tensor, emitted once."""
+        key = (slot.name, k)
+        if key not in self._knots:
+            stack = self.knot_inputs[slot.name]
+            name = f"{self.tag}_{slot.name}_k{k}"
+            self._knots[key] = self.node("call_function", operator.getitem, (stack, k), name=name)
+        return self._knots[key]
+
+    # -- the block and the field ---------------------------------------------------------------
+    def block(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> tuple[fx.Node, fx.Node]:
+        """Inline the template at time ``t``: returns (branch f(y), block output); names end in ``tag``."""
+        weights = iter(self.weights(t, left))
+        variant = self.stage.variant_index(t, left)
+        env: dict[fx.Node, fx.Node] = {}
+        result = None
+        for tnode in self.stage.template.graph.nodes:
+            if tnode.op == "placeholder":
+                env[tnode] = y if not env else next(weights)
+            elif tnode.op == "output":
+                result = fx.map_arg(tnode.args[0], env.__getitem__)
+            else:
+                target = tnode.target
+                if tnode.op == "call_module":
+                    key = self.stage.variant_targets.get(target)
+                    target = (
+                        f"{self.prefix}variants.{key}.{variant}" if key else f"{self.prefix}template.{target}"
+                    )
+                args = fx.map_arg(tnode.args, env.__getitem__)
+                kwargs = fx.map_arg(tnode.kwargs, env.__getitem__)
+                env[tnode] = self.node(tnode.op, target, args, kwargs, name=f"{self.tag}_{tnode.name}_{tag}")
+        branch, out = result
+        return branch, out
+
+    def field(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> fx.Node:
+        """F(t, y): ``L * (block(y) - y)`` for post-activation blocks, ``L * f(y)`` for pre-activation."""
+        key = (self.stage.row(t, left), self.stage.variant_index(t, left), y)
+        if key not in self._fields:
+            self.evaluations += 1
+            branch, out = self.block(t, left, y, tag)
+            if self.stage.form == "pre":
+                delta = branch
+            else:
+                delta = self.node("call_function", operator.sub, (out, y), name=f"{self.tag}_delta_{tag}")
+            self._fields[key] = self.node(
+                "call_function", operator.mul, (delta, self.stage.depth), name=f"F_{tag}"
+            )
+        return self._fields[key]
+
+    def axpy(self, y: fx.Node, terms: list[tuple[Fraction, fx.Node]], name: str) -> fx.Node:
+        """``y + sum(c * k)`` with zero terms skipped."""
+        out = y
+        for coef, k in terms:
+            if coef == 0:
+                continue
+            term = k if coef == 1 else self.node("call_function", operator.mul, (k, float(coef)))
+            out = self.node("call_function", operator.add, (out, term), name=name)
+        return out
+
+
+# -- integrators: one step each, written against a StageWriter ------------------------------------
+def rk_step(w: StageWriter, tableau: Tableau, n: int, y: fx.Node, direction: int = 1) -> fx.Node:
+    """One explicit Runge-Kutta step from step ``n``'s start (``direction=-1``: from its end, backward).
+
+    Stage times are ``(n + c_i) / N`` forward and ``(n + 1 - c_i) / N`` backward; a time at the far
+    end of the step takes the one-sided limit from inside the step, decided exactly.
+    """
+    steps = w.stage.steps
+    h = Fraction(direction, steps)
+    start = Fraction(n if direction > 0 else n + 1, steps)
+    if direction > 0 and tableau.stages == 1 and tableau.b == (1,) and h * w.stage.depth == 1:
+        w.evaluations += 1
+        return w.block(start, False, y, f"s{n}")[1]  # x + (1/L) * L * (block(x) - x) is block(x), exactly
+    ks: list[fx.Node] = []
+    for i in range(tableau.stages):
+        theta = tableau.c[i]
+        t = start + h * theta
+        left = (theta == 1) if direction > 0 else (theta == 0)
+        terms = [(h * a, k) for a, k in zip(tableau.a[i][:i], ks, strict=True)]
+        yi = w.axpy(y, terms, name=f"{w.tag}_y{n}_{i + 1}")
+        ks.append(w.field(t, left, yi, f"s{n}_{i + 1}"))
+    end = n + 1 if direction > 0 else n
+    return w.axpy(y, [(h * b, k) for b, k in zip(tableau.b, ks, strict=True)], name=f"{w.tag}_x{end}")
+
+
+def reversible_heun_step(w: StageWriter, n: int, y: fx.Node, z: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Kidger et al. 2021: z' = 2y - z + h F(t, z); y' = y + h/2 (F(t, z) + F(t + h, z'))."""
+    h = Fraction(1, w.stage.steps)
+    t0, t1 = n * h, (n + 1) * h
+    f0 = w.field(t0, False, z, f"s{n}_1")
+    two_y = w.node("call_function", operator.mul, (y, 2.0))
+    z_next = w.axpy(w.node("call_function", operator.sub, (two_y, z)), [(h, f0)], name=f"{w.tag}_z{n + 1}")
+    f1 = w.field(t1, True, z_next, f"s{n}_2")
+    y_next = w.axpy(y, [(h / 2, f0), (h / 2, f1)], name=f"{w.tag}_y{n + 1}")
+    return y_next, z_next
+
+
+def reversible_heun_inverse(w: StageWriter, n: int, y1: fx.Node, z1: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The closed-form inverse of :func:`reversible_heun_step` (state at step n+1 -> step n)."""
+    h = Fraction(1, w.stage.steps)
+    t0, t1 = n * h, (n + 1) * h
+    f1 = w.field(t1, True, z1, f"s{n}_2")
+    two_y = w.node("call_function", operator.mul, (y1, 2.0))
+    z0 = w.axpy(w.node("call_function", operator.sub, (two_y, z1)), [(-h, f1)], name=f"{w.tag}_z{n}")
+    f0 = w.field(t0, False, z0, f"s{n}_1")
+    y0 = w.axpy(y1, [(-h / 2, f0), (-h / 2, f1)], name=f"{w.tag}_y{n}")
+    return y0, z0
+
+
+def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
+    """The whole stage, unrolled: returns the node holding x(1)."""
+    integrator = w.stage.integrator
+    if isinstance(integrator, ReversibleHeun):
+        y, z = x, x
+        for n in range(w.stage.steps):
+            y, z = reversible_heun_step(w, n, y, z)
+        return y
+    for n in range(w.stage.steps):
+        x = rk_step(w, integrator, n, x)
+    return x
+
+
+def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
+    """A graph module ``(state..., knots...) -> state`` for step ``n``.
+
+    ``forward`` steps from n to n+1; ``reverse`` approximately rebuilds step n's start from its
+    end by stepping backward (explicit tableaus); ``inverse`` is reversible Heun's exact inverse.
+    """
+    graph = fx.Graph()
+    reversible = isinstance(stage.integrator, ReversibleHeun)
+    state = [graph.placeholder("y"), graph.placeholder("z")] if reversible else [graph.placeholder("x")]
+    knot_slots = [s for s in stage.slots if s.kind != "shared"]
+    inputs = {s.name: graph.placeholder(s.name) for s in knot_slots}
+    w = StageWriter(stage, graph, "", inputs)
+    if reversible:
+        step = reversible_heun_step if kind == "forward" else reversible_heun_inverse
+        out = step(w, n, *state)
+    else:
+        out = (rk_step(w, stage.integrator, n, state[0], direction=1 if kind == "forward" else -1),)
+    graph.output(tuple(out))
+    gm = fx.GraphModule(stage, graph, f"{stage.stage_name.replace('.', '_')}_{kind}_step{n}")
+    gm.evaluations = w.evaluations
+    return gm
+
+
+def count_evaluations(stage: ODEStage) -> int:
+    """Field evaluations (NFE) of the unrolled stage, counted by writing it into a scratch graph."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    inputs = {s.name: graph.placeholder(s.name) for s in stage.slots if s.kind != "shared"}
+    w = StageWriter(stage, graph, "", inputs)
+    write_stage(w, x)
+    return w.evaluations

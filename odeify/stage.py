@@ -1,0 +1,202 @@
+"""``ODEStage``: one run of residual blocks as the ODE dx/dt = F(t, x) on t in [0, 1].
+
+The stage holds a *template* of one block (an fx graph taking ``x`` and one tensor per weight
+slot), the knots (each slot's per-knot tensors stacked on a leading axis), and the manifestation
+(basis, integrator, steps, backward mode). Its computation is always written by
+:mod:`odeify.emit`: inlined into a model graph by the ``lower`` pass, or as small per-step graphs
+that this module runs eagerly (and that the adjoint modes re-run in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from odeify.bases import get_basis
+from odeify.errors import ConfigError
+from odeify.tableaus import Integrator, ReversibleHeun, resolve_integrator
+
+BACKWARD_MODES = ("backprop", "checkpoint", "reverse", "reversible")
+BackwardMode = Literal["backprop", "checkpoint", "reverse", "reversible"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor input of the block template.
+
+    ``kind`` is ``param`` (trainable knots), ``buffer`` (non-trainable knots, such as NF-ResNet's
+    per-block float constants) or ``shared`` (one tensor for all times, e.g. a blur filter).
+    """
+
+    name: str
+    kind: Literal["param", "buffer", "shared"]
+
+
+class ODEStage(nn.Module):
+    """A run of ``depth`` residual blocks as one continuous-in-depth stage."""
+
+    def __init__(
+        self,
+        name: str,
+        template: fx.GraphModule,
+        slots: list[Slot],
+        tensors: dict[str, torch.Tensor],
+        form: Literal["post", "pre"],
+        depth: int,
+        variants: dict[str, list[nn.Module]] | None = None,
+        *,
+        basis: str = "constant",
+        integrator: str | Integrator = "euler",
+        steps: int | None = None,
+        backward: BackwardMode = "backprop",
+    ) -> None:
+        super().__init__()
+        self.stage_name = name
+        self.template = template
+        self.slots = list(slots)
+        self.form = form
+        self.depth = depth
+        self.knots = nn.ParameterDict()
+        for slot in self.slots:
+            tensor = tensors[slot.name]
+            if slot.kind == "param":
+                self.knots[slot.name] = nn.Parameter(tensor)
+            else:
+                self.register_buffer(f"{slot.kind}_{slot.name}", tensor)
+        self.variants = nn.ModuleDict({key: nn.ModuleList(mods) for key, mods in (variants or {}).items()})
+        self.variant_targets = {key.replace("__", "."): key for key in self.variants}
+        self.configure(basis=basis, integrator=integrator, steps=steps or depth, backward=backward)
+
+    # -- configuration -------------------------------------------------------------------------
+    def configure(
+        self,
+        *,
+        basis: str | None = None,
+        integrator: str | Integrator | None = None,
+        steps: int | None = None,
+        backward: BackwardMode | None = None,
+    ) -> ODEStage:
+        """Set the manifestation; validates every setting and clears cached step graphs."""
+        if basis is not None:
+            self.basis = get_basis(basis).name
+        if integrator is not None:
+            self.integrator = resolve_integrator(integrator)
+        if steps is not None:
+            self.steps = validate_steps(steps, self.stage_name)
+        if backward is not None:
+            self.backward = validate_backward(backward, self.integrator)
+        elif integrator is not None:
+            self.backward = validate_backward(self.backward, self.integrator)
+        self._step_graphs: dict[tuple, fx.GraphModule] = {}
+        self._rows: dict[tuple[Fraction, bool], tuple[Fraction, ...]] = {}
+        self._mix_index: dict[tuple[Fraction, ...], int] = {}
+        return self
+
+    @property
+    def num_knots(self) -> int:
+        for slot in self.slots:
+            if slot.kind != "shared":
+                return self.slot_tensor(slot).shape[0]
+        return self.depth
+
+    def slot_tensor(self, slot: Slot) -> torch.Tensor:
+        if slot.kind == "param":
+            return self.knots[slot.name]
+        return getattr(self, f"{slot.kind}_{slot.name}")
+
+    def slot_attr(self, slot: Slot) -> str:
+        """The attribute path of a slot's tensor, relative to this module."""
+        return f"knots.{slot.name}" if slot.kind == "param" else f"{slot.kind}_{slot.name}"
+
+    def knot_tensors(self) -> list[torch.Tensor]:
+        """Every time-dependent tensor, in slot order: the inputs the step graphs take."""
+        return [self.slot_tensor(s) for s in self.slots if s.kind != "shared"]
+
+    # -- exact time bookkeeping ----------------------------------------------------------------
+    def row(self, t: Fraction, left: bool) -> tuple[Fraction, ...]:
+        """Basis coefficients over the knots at time ``t`` (left limit when ``left``), exactly."""
+        key = (t, left)
+        if key not in self._rows:
+            self._rows[key] = tuple(get_basis(self.basis).coefficients(self.num_knots, t, left))
+        return self._rows[key]
+
+    def mix_index(self, row: tuple[Fraction, ...]) -> int:
+        """Index of a dense coefficient row in the ``mix`` buffer, registering it if new."""
+        if row not in self._mix_index:
+            self._mix_index[row] = len(self._mix_index)
+            dtype = next((t.dtype for t in self.knot_tensors() if t.is_floating_point()), torch.float32)
+            device = next((t.device for t in self.knot_tensors()), torch.device("cpu"))
+            rows = sorted(self._mix_index, key=self._mix_index.__getitem__)
+            mix = torch.tensor([[float(c) for c in r] for r in rows], dtype=dtype, device=device)
+            self.register_buffer("mix", mix, persistent=False)
+        return self._mix_index[row]
+
+    def variant_index(self, t: Fraction, left: bool) -> int:
+        """The original block whose per-block modules (DropPath rates) serve time ``t``."""
+        return get_basis("constant").coefficients(self.depth, t, left).index(1)
+
+    # -- eager execution -----------------------------------------------------------------------
+    def step_graph(self, n: int, kind: str = "forward") -> fx.GraphModule:
+        """A graph module for one step (``forward``, approximate ``reverse``, or exact ``inverse``)."""
+        from odeify.emit import build_step_graph
+
+        key = (n, kind)
+        if key not in self._step_graphs:
+            self._step_graphs[key] = build_step_graph(self, n, kind)
+        return self._step_graphs[key]
+
+    def initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x, x) if isinstance(self.integrator, ReversibleHeun) else (x,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backward != "backprop" and torch.is_grad_enabled():
+            from odeify.adjoint import integrate_with_adjoint
+
+            return integrate_with_adjoint(self, x)
+        state = self.initial_state(x)
+        knots = self.knot_tensors()
+        for n in range(self.steps):
+            state = self.step_graph(n)(*state, *knots)
+        return state[0]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._step_graphs = {}  # cached step graphs hold references to tensors that .to() replaces
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"name={self.stage_name!r}, form={self.form}, depth={self.depth}, knots={self.num_knots}, "
+            f"basis={self.basis}, integrator={self.integrator.name}, steps={self.steps}, "
+            f"backward={self.backward}"
+        )
+
+
+def validate_steps(steps: object, stage: str) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(
+            f"steps for stage '{stage}' must be a positive integer (or 'native' for the original depth); "
+            f"got {steps!r}."
+        )
+    return steps
+
+
+def validate_backward(mode: object, integrator: Integrator) -> BackwardMode:
+    if mode not in BACKWARD_MODES:
+        raise ConfigError(f"unknown backward mode {mode!r}; choose one of {', '.join(BACKWARD_MODES)}.")
+    if mode == "reversible" and not isinstance(integrator, ReversibleHeun):
+        raise ConfigError(
+            f"backward='reversible' needs an algebraically reversible integrator, but the stage uses "
+            f"'{integrator.name}'. Use integrator='reversible_heun' with backward='reversible', or keep "
+            f"'{integrator.name}' with backward='checkpoint' (exact) or 'reverse' (approximate, memory-free)."
+        )
+    if mode == "reverse" and isinstance(integrator, ReversibleHeun):
+        raise ConfigError(
+            "backward='reverse' rebuilds states by stepping backward with an explicit tableau; "
+            "integrator='reversible_heun' is inverted exactly instead: use backward='reversible'."
+        )
+    return mode  # type: ignore[return-value]

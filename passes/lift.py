@@ -1,0 +1,228 @@
+"""Transformation pass: replace each run of L blocks by one ``ODEStage`` call.
+
+The stage's template is the first block's computation; its knots are the L blocks' tensors
+stacked per template slot, and float literals that differ between blocks (NF-ResNet's ``beta``)
+become knots too. Modules that differ only in float settings (growing DropPath rates) are kept
+per block. At native depth with Euler the stage reproduces the run exactly, so this pass
+preserves computation.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from odeify.plan import Run
+from odeify.stage import ODEStage, Slot
+from passes.graph_utils import fetch_attr, skip_identity
+from passes.runs import block_node_list
+
+PRESERVES_COMPUTATION = True
+
+StageFactory = Callable[[Run, dict], ODEStage]
+
+
+class NotLiftable(Exception):
+    """A run whose blocks cannot share one template; the run stays discrete with this reason."""
+
+
+def stage_attribute(run: Run) -> str:
+    """The attribute name of a run's stage in the converted model: 'layer3' -> 'layer3_ode'."""
+    return run.name.replace(".", "_") + "_ode"
+
+
+def lift_runs(
+    gm: fx.GraphModule, runs: Sequence[Run], make_stage: StageFactory
+) -> tuple[fx.GraphModule, dict[str, str]]:
+    """Lift every liftable run of ``gm`` in place; returns the module and {run: reason} for the rest.
+
+    ``make_stage(run, parts)`` builds the stage from the extracted parts (policy stays with the
+    caller: basis, knots, integrator and steps are not this pass's business).
+    """
+    skipped: dict[str, str] = {}
+    for run in runs:
+        try:
+            parts = extract_run(gm, run)
+        except NotLiftable as why:
+            skipped[run.name] = str(why)
+            continue
+        stage = make_stage(run, parts)
+        _replace_run(gm, run, stage_attribute(run), stage)
+    prune_unused_attributes(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, skipped
+
+
+def extract_run(gm: fx.GraphModule, run: Run) -> dict:
+    """Template graph, slots, stacked tensors and per-block module variants of one run."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    lists = [block_node_list(b, nodes) for b in run.blocks]
+    forks = [nodes[b.fork] for b in run.blocks]
+    scopes = [b.scope for b in run.blocks]
+    modules = dict(gm.named_modules())
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    env: list[dict[fx.Node, object]] = [{fork: x} for fork in forks]
+    slots: list[Slot] = []
+    tensors: dict[str, torch.Tensor] = {}
+    slot_nodes: dict[str, fx.Node] = {}
+    template_modules: dict[str, nn.Module] = {}
+    variants: dict[str, list[nn.Module]] = {}
+
+    def new_slot(base: str, kind: str, values: list[torch.Tensor]) -> fx.Node:
+        name = _unique(base.replace(".", "_"), tensors)
+        slots.append(Slot(name, kind))
+        tensors[name] = (
+            values[0].detach().clone() if kind == "shared" else torch.stack([v.detach() for v in values])
+        )
+        anchor = slot_nodes[slots[-2].name] if len(slots) > 1 else x
+        with graph.inserting_after(anchor):
+            placeholder = graph.placeholder(name)
+        slot_nodes[name] = placeholder
+        return placeholder
+
+    def lift_arg(values: list, path: str):
+        first = values[0]
+        if isinstance(first, fx.Node):
+            if first in env[0]:
+                return env[0][first]
+            if first.op == "get_attr":
+                key = ("attr", first.name)
+                if key not in env[0]:
+                    tensors_k = [fetch_attr(gm, v.target) for v in values]
+                    relative = _relative(first.target, scopes[0])
+                    env[0][key] = _tensor_slot(new_slot, relative, tensors_k)
+                    for e, v in zip(env[1:], values[1:], strict=True):
+                        e[("attr", v.name)] = env[0][key]
+                return env[0][key]
+            raise NotLiftable(f"block reads '{first.name}', computed outside the block")
+        if isinstance(first, (tuple, list)):
+            return type(first)(lift_arg([v[i] for v in values], f"{path}.{i}") for i in range(len(first)))
+        if isinstance(first, dict):
+            return {k: lift_arg([v[k] for v in values], f"{path}.{k}") for k in first}
+        if isinstance(first, float) and any(v != first for v in values):
+            stacked = [torch.tensor(v, dtype=_float_dtype(gm)) for v in values]
+            return new_slot(f"const_{path}", "buffer", stacked)
+        return first
+
+    join = nodes[run.blocks[0].join]
+    branch_operand = None
+    for position, node in enumerate(lists[0]):
+        peers = [lst[position] for lst in lists]
+        if node is join:
+            operands = [a for a in node.args if isinstance(a, fx.Node)]
+            branch = next(a for a in operands if skip_identity(a, modules) is not forks[0])
+            branch_operand = env[0][branch]
+            new = graph.call_function(operator.add, (x, branch_operand))  # out of place, even for iadd
+        else:
+            target = node.target
+            if node.op == "call_module":
+                target = _relative(node.target, scopes[0])
+                peer_modules = [modules[p.target] for p in peers]
+                if any(True for _ in peer_modules[0].parameters()):
+                    raise NotLiftable(
+                        f"module '{node.target}' ({type(peer_modules[0]).__name__}) has parameters but is an "
+                        "fx leaf, so its weights cannot be interpolated; fold it or trace through it"
+                    )
+                template_modules[target] = peer_modules[0]
+                if len({repr(m) for m in peer_modules}) > 1:
+                    variants[target.replace(".", "__")] = peer_modules
+            args = lift_arg([p.args for p in peers], f"{node.name}")
+            kwargs = lift_arg([p.kwargs for p in peers], f"{node.name}")
+            new = graph.create_node(node.op, target, args, kwargs, name=_local_name(node, scopes[0]))
+        for e, p in zip(env, peers, strict=True):
+            e[p] = new
+    graph.output((branch_operand, env[0][lists[0][-1]]))
+    template = fx.GraphModule(template_modules, graph, f"{stage_attribute(run)}_template")
+    return {"template": template, "slots": slots, "tensors": tensors, "variants": variants}
+
+
+def _tensor_slot(new_slot, relative: str, values: list[torch.Tensor]) -> fx.Node:
+    if isinstance(values[0], nn.Parameter) and values[0].requires_grad:
+        return new_slot(relative, "param", values)
+    if all(torch.equal(values[0], v) for v in values[1:]):
+        return new_slot(relative, "shared", values)
+    return new_slot(relative, "buffer", values)
+
+
+def _local_name(node: fx.Node, scope: str) -> str:
+    """A template node's name without the block's module path: 'layer3_1_act1' -> 'act1'."""
+    if node.op == "call_module":
+        return _relative(node.target, scope).replace(".", "_")
+    prefix = scope.replace(".", "_") + "_"
+    return node.name[len(prefix) :] if scope and node.name.startswith(prefix) else node.name
+
+
+def _relative(target: str, scope: str) -> str:
+    return target[len(scope) + 1 :] if scope and target.startswith(scope + ".") else target
+
+
+def _unique(name: str, taken: dict) -> str:
+    candidate, n = name, 2
+    while candidate in taken:
+        candidate, n = f"{name}_{n}", n + 1
+    return candidate
+
+
+def _float_dtype(gm: fx.GraphModule) -> torch.dtype:
+    return next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: ODEStage) -> None:
+    """Swap the run's nodes for one ``call_module`` of the stage."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    gm.add_submodule(attribute, stage)
+    fork = nodes[run.blocks[0].fork]
+    last = nodes[run.blocks[-1].output]
+    with gm.graph.inserting_before(last):
+        call = gm.graph.call_module(attribute, (fork,))
+    call.meta["odeify"] = {"stage": run.name, "role": "stage"}
+    call.meta["tensor_meta"] = last.meta.get("tensor_meta")
+    last.replace_all_uses_with(call)
+    doomed: list[fx.Node] = []
+    for block in run.blocks:
+        doomed.extend(block_node_list(block, nodes))
+    _erase_with_side_chains(gm.graph, doomed)
+
+
+def _erase_with_side_chains(graph: fx.Graph, doomed: list[fx.Node]) -> None:
+    """Erase nodes plus dead users hanging off them (``torch._assert`` side chains)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    pending = set(doomed)
+    stack = list(doomed)
+    while stack:
+        for user in stack.pop().users:
+            if user not in pending:
+                pending.add(user)
+                stack.append(user)
+    for node in sorted(pending, key=order.__getitem__, reverse=True):
+        graph.erase_node(node)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+
+
+def prune_unused_attributes(gm: fx.GraphModule) -> None:
+    """Drop parameters, buffers and submodules that no node references any more."""
+    used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+
+    def referenced(path: str) -> bool:
+        return any(u == path or u.startswith(path + ".") or path.startswith(u + ".") for u in used)
+
+    for name, _ in list(gm.named_parameters(remove_duplicate=False)) + list(
+        gm.named_buffers(remove_duplicate=False)
+    ):
+        if not referenced(name):
+            owner_path, _, attr = name.rpartition(".")
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+            if attr in owner._parameters:
+                del owner._parameters[attr]
+            elif attr in owner._buffers:
+                del owner._buffers[attr]
+    gm.delete_all_unused_submodules()

@@ -1,0 +1,88 @@
+"""Transformation passes between the two forms of a converted model.
+
+``lower_stages`` inlines each ``ODEStage`` call into an unrolled graph for its integrator and
+steps; stages trained with a memory-saving backward mode stay one node, which calls the adjoint.
+``raise_stages`` is the inverse: it collapses inlined stages back into single calls, so a
+converted model can be re-emitted for another manifestation without the original network.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from odeify.emit import META_KEY, StageWriter, write_stage
+from odeify.stage import ODEStage
+
+PRESERVES_COMPUTATION = True
+
+
+def stage_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, ODEStage]]:
+    """The ``call_module`` nodes of ``gm`` that call an ODEStage."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if isinstance(module, ODEStage):
+                found.append((node, module))
+    return found
+
+
+def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
+    """Unroll every ``backprop`` stage of ``gm`` in place and return it."""
+    for node, stage in stage_nodes(gm):
+        if stage.backward != "backprop":
+            continue
+        with gm.graph.inserting_before(node):
+            writer = StageWriter(stage, gm.graph, node.target, {})
+            writer.knot_inputs = {
+                slot.name: writer.attr(stage.slot_attr(slot), f"{writer.tag}_{slot.name}")
+                for slot in stage.slots
+                if slot.kind != "shared"
+            }
+            out = write_stage(writer, node.args[0])
+        out.meta["tensor_meta"] = node.meta.get("tensor_meta")
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def raise_stages(gm: fx.GraphModule) -> fx.GraphModule:
+    """Collapse every inlined stage of ``gm`` back into one ``call_module`` node, in place."""
+    stages = {m.stage_name: name for name, m in gm.named_children() if isinstance(m, ODEStage)}
+    for stage_name, attribute in stages.items():
+        members = [n for n in gm.graph.nodes if _inlined(n, stage_name)]
+        if not members:
+            continue  # already a single call (non-backprop stage)
+        inside = set(members)
+        inputs = {a for n in members for a in n.all_input_nodes if a not in inside}
+        outputs = [n for n in members if any(u not in inside for u in n.users)]
+        if len(inputs) != 1 or len(outputs) != 1:
+            raise RuntimeError(f"stage '{stage_name}' is not a single-entry, single-exit region of the graph")
+        (x,), (out,) = tuple(inputs), outputs
+        with gm.graph.inserting_before(out):
+            call = gm.graph.call_module(attribute, (x,))
+        call.meta[META_KEY] = {"stage": stage_name, "role": "stage"}
+        call.meta["tensor_meta"] = out.meta.get("tensor_meta")
+        out.replace_all_uses_with(call)
+        for node in reversed(members):
+            gm.graph.erase_node(node)
+    _fresh_namespace(gm)
+    return gm
+
+
+def _fresh_namespace(gm: fx.GraphModule) -> None:
+    """Copy the graph so names freed by erased nodes can be reused (fx never releases a name)."""
+    graph = fx.Graph(owning_module=gm)
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    gm.graph = graph
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _inlined(node: fx.Node, stage_name: str) -> bool:
+    meta = node.meta.get(META_KEY, {})
+    return meta.get("stage") == stage_name and meta.get("role") != "stage"
