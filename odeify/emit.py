@@ -224,6 +224,16 @@ def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
     return gm
 
 
+def build_field_graph(stage: ODEStage, t: Fraction, left: bool = False) -> fx.GraphModule:
+    """A graph module ``(x, knots...) -> F(t, x)`` for one time, e.g. for external ODE solvers."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    inputs = {s.name: graph.placeholder(s.name) for s in stage.slots if s.kind != "shared"}
+    w = StageWriter(stage, graph, "", inputs)
+    graph.output(w.field(t, left, x, "t"))
+    return fx.GraphModule(stage, graph, f"{w.tag}_field")
+
+
 def count_evaluations(stage: ODEStage) -> int:
     """Field evaluations (NFE) of the unrolled stage, counted by writing it into a scratch graph."""
     graph = fx.Graph()

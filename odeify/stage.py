@@ -150,6 +150,12 @@ class ODEStage(nn.Module):
             self._step_graphs[key] = build_step_graph(self, n, kind)
         return self._step_graphs[key]
 
+    def field(self, t: Fraction, x: torch.Tensor, left: bool = False) -> torch.Tensor:
+        """F(t, x) evaluated eagerly at an exact time (a Fraction in [0, 1])."""
+        from odeify.emit import build_field_graph
+
+        return build_field_graph(self, Fraction(t), left)(x, *self.knot_tensors())
+
     def initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (x, x) if isinstance(self.integrator, ReversibleHeun) else (x,)
 
