@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -89,12 +90,22 @@ def convert(
     with torch.no_grad():
         gm, skipped = lift_runs(gm, plan.runs, make_stage)
     gm.meta[META] = {
-        "source": name,
+        "source": _source_reference(model),
+        "load_kwargs": {k: v for k, v in load_kwargs.items() if k not in ("pretrained", "checkpoint")},
+        "name": name,
         "input_shape": list(shape),
         "original_parameters": sum(p.numel() for p in module.parameters()),
         "not_lifted": skipped,
     }
     return lower_stages(gm)
+
+
+def _source_reference(model: str | nn.Module) -> str | None:
+    """How to rebuild the source later: a timm/odeify name, an absolute checkpoint path, or None."""
+    if not isinstance(model, str):
+        return None
+    path = Path(model)
+    return str(path.resolve()) if path.is_file() else model
 
 
 def retarget(

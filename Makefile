@@ -1,0 +1,32 @@
+# Set-up is part of every target: a missing or stale .venv is (re)built with python -m venv + pip.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.odeify-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/analyze.py
+	$(PY) benchmarks/forward.py
+	$(PY) benchmarks/adjoint_memory.py
+	$(PY) benchmarks/gradient_error.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
