@@ -9,6 +9,7 @@
 from odeify.analysis import analyze
 from odeify.convert import convert, converted_stages, retarget, set_backward
 from odeify.errors import ConfigError, ModelLoadError, NoResidualBlocksError, OdeifyError, TraceError
+from odeify.io import load, save
 from odeify.models import load_model, make_test_model
 from odeify.plan import Block, Plan, Run
 from odeify.stage import ODEStage
@@ -28,9 +29,11 @@ __all__ = [
     "analyze",
     "convert",
     "converted_stages",
+    "load",
     "load_model",
     "make_test_model",
     "retarget",
+    "save",
     "set_backward",
 ]
 __version__ = "0.1.0"
