@@ -7,6 +7,7 @@ retarget = raise stages -> change knots/basis/integrator/steps/backward -> lower
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -131,8 +132,9 @@ def retarget(
     if not stages:
         raise ConfigError("this module has no ODE stages; retarget takes the output of odeify.convert.")
     names = list(stages)
-    steps_of = _per_stage(steps, names, "steps") if steps is not None else {}
-    knots_of = _per_stage(knots, names, "knots") if knots is not None else {}
+    # a dict names the stages to change; the others keep their current value (not 'native')
+    steps_of = _per_stage(steps, names, "steps", fill=False) if steps is not None else {}
+    knots_of = _per_stage(knots, names, "knots", fill=False) if knots is not None else {}
     for name, stage in stages.items():
         if name in knots_of or basis is not None:
             _change_knots(stage, knots_of.get(name), basis)
@@ -161,12 +163,29 @@ def converted_stages(converted: nn.Module) -> list[ODEStage]:
 
 
 def _change_knots(stage: ODEStage, knots: int | str | None, basis: str | None) -> None:
-    """Refit every knot tensor of ``stage`` in place for a new knot count and/or basis."""
+    """Refit every knot tensor of ``stage`` in place for a new knot count and/or basis.
+
+    A new basis may read the current knots as they are only when they are one per block (the
+    blocks' own weights, which every basis interpolates): knots that were compressed by least
+    squares or refined under the old basis are values of *that* basis's weight path, and reading
+    them with another basis would silently swap the weight path. Changing the knot count in the
+    same call is allowed: it resamples the current path (see the ConfigError's message).
+    """
     old_basis, old_count = stage.basis, stage.num_knots
-    new_basis = basis or old_basis
+    new_basis = get_basis(basis).name if basis is not None else old_basis
     count = old_count if knots is None else stage.depth if knots == "native" else None
     if count is None:
         count = validate_knots(knots, stage.depth, new_basis)
+    if new_basis != old_basis and count == old_count and old_count != stage.depth:
+        how = "compressed by least squares" if old_count < stage.depth else "refined"
+        raise ConfigError(
+            f"stage '{stage.stage_name}' has {old_count} knots for its {stage.depth} blocks, {how} under "
+            f"the '{old_basis}' basis; reading them with the '{new_basis}' basis would silently change its "
+            f"weight path (only one-knot-per-block stages can switch basis as they are). To fit "
+            f"{old_count} '{new_basis}' knots to the original blocks, convert the original model with "
+            f"basis='{new_basis}', knots={old_count}; to resample the current weight path, pass knots "
+            f"too, e.g. retarget(..., basis='{new_basis}', knots='native')."
+        )
     # compression fits with the new basis; refinement evaluates the current weight path
     fit_basis = new_basis if count < old_count else old_basis
     with torch.no_grad():
@@ -192,8 +211,12 @@ def _refit(stack: torch.Tensor, basis: str, count: int, depth: int) -> torch.Ten
     return fitted.to(stack.dtype)
 
 
-def _per_stage(spec, names: list[str], what: str) -> dict:
-    """Expand a scalar or {stage: value} setting to every stage, checking the names."""
+def _per_stage(spec, names: list[str], what: str, fill: bool = True) -> dict:
+    """Expand a scalar or {stage: value} setting to every stage, checking the names.
+
+    With ``fill`` a dict's missing steps/knots stages get 'native' (convert); without, they are
+    left out so the caller keeps their current value (retarget).
+    """
     if isinstance(spec, Mapping):
         unknown = [k for k in spec if k not in names]
         if unknown:
@@ -201,7 +224,7 @@ def _per_stage(spec, names: list[str], what: str) -> dict:
                 f"{what} names stage(s) {', '.join(map(repr, unknown))} that do not exist; "
                 f"the stages are: {', '.join(names)}."
             )
-        default = "native" if what in ("steps", "knots") else None
+        default = "native" if fill and what in ("steps", "knots") else None
         return {n: spec.get(n, default) for n in names if n in spec or default is not None}
     return {n: spec for n in names}
 
@@ -211,7 +234,7 @@ def _resolve_steps(spec, depth: int, stage: str) -> int:
     if spec == "native":
         return depth
     if isinstance(spec, float):
-        if spec <= 0:
+        if not math.isfinite(spec) or spec <= 0:
             raise ConfigError(f"a steps multiplier must be > 0 (e.g. 2.0 for twice the depth); got {spec}.")
         return max(1, round(Fraction(spec) * depth))
     return validate_steps(spec, stage)

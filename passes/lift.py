@@ -9,6 +9,7 @@ preserves computation.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 
@@ -44,18 +45,35 @@ def lift_runs(
     caller: basis, knots, integrator and steps are not this pass's business).
     """
     skipped: dict[str, str] = {}
+    renamed: dict[str, str] = {}  # output node of a lifted run -> the stage call that replaced it
     for run in runs:
+        run = _follow_renames(run, renamed)
         try:
             parts = extract_run(gm, run)
         except NotLiftable as why:
             skipped[run.name] = str(why)
             continue
         stage = make_stage(run, parts)
-        _replace_run(gm, run, stage_attribute(run), stage)
+        call = _replace_run(gm, run, stage_attribute(run), stage)
+        renamed[run.blocks[-1].output] = call.name
     prune_unused_attributes(gm)
     gm.graph.lint()
     gm.recompile()
     return gm, skipped
+
+
+def _follow_renames(run: Run, renamed: dict[str, str]) -> Run:
+    """The run with its first fork renamed when it reads an earlier lifted run's output.
+
+    Adjacent runs (a chain of identity blocks split where the block computation changes, e.g. an
+    activation inside the branch in one block and none in the next) chain: the second run's fork
+    is the first run's output node, which lifting erased in favour of the stage call.
+    """
+    first = run.blocks[0]
+    if first.fork not in renamed:
+        return run
+    fork = renamed[first.fork]
+    return dataclasses.replace(run, blocks=(dataclasses.replace(first, fork=fork), *run.blocks[1:]))
 
 
 def extract_run(gm: fx.GraphModule, run: Run) -> dict:
@@ -174,7 +192,7 @@ def _float_dtype(gm: fx.GraphModule) -> torch.dtype:
     return next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: ODEStage) -> None:
+def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: ODEStage) -> fx.Node:
     """Swap the run's nodes for one ``call_module`` of the stage."""
     nodes = {n.name: n for n in gm.graph.nodes}
     gm.add_submodule(attribute, stage)
@@ -189,6 +207,7 @@ def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: ODEStage) 
     for block in run.blocks:
         doomed.extend(block_node_list(block, nodes))
     _erase_with_side_chains(gm.graph, doomed)
+    return call
 
 
 def _erase_with_side_chains(graph: fx.Graph, doomed: list[fx.Node]) -> None:

@@ -1,0 +1,248 @@
+"""Benchmark: inference time of converted models against the original timm model.
+
+The converted model at native depth (Euler, steps = blocks) is the original network with BatchNorm
+folded into the convolutions, so it should cost no more than the timm model (target: median time
+ratio <= 1.00). Other manifestations trade accuracy for time: rk4 at native steps evaluates each
+stage's field four times per step; fewer knots at native steps cost what the native model costs
+(constant basis: each step reads one knot; linear: a mix of two); Euler at half the steps halves the
+stages' cost. All variants run in one process, eval mode, under ``torch.no_grad()``, with a fixed
+thread count, interleaved round-robin (original, native, rk4, ..., original, native, ...), so drift
+in machine load hits every variant alike; ratios are medians of the per-round ratios to the original.
+
+Writes a rich table to the terminal and a Markdown record to benchmarks/results/forward.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from tqdm import tqdm
+
+import odeify
+from odeify.convert import converted_stages
+from odeify.emit import count_evaluations
+from odeify.fileio import atomic_write_bytes
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "forward.md"
+TARGET = 1.00  # converted-native time / original time
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One manifestation: a label, how to build it from the native conversion, and a description."""
+
+    label: str
+    what: str
+    build: Callable[[nn.Module], nn.Module]
+
+
+def half_knots(native: nn.Module, basis: str) -> nn.Module:
+    """Every stage compressed to half its blocks (at least 1 knot), steps native."""
+    knots = {s.stage_name: max(1, s.depth // 2) for s in converted_stages(native)}
+    if basis != "constant":
+        native = odeify.retarget(native, basis=basis)  # one knot per block: the basis may change
+    return odeify.retarget(native, knots=knots)
+
+
+VARIANTS = (
+    Variant("converted, native", "euler, steps = blocks, knots = blocks", lambda m: m),
+    Variant(
+        "rk4, native steps", "4 field evaluations per step", lambda m: odeify.retarget(m, integrator="rk4")
+    ),
+    Variant(
+        "knots = half (constant)",
+        "least-squares compressed, euler, native steps",
+        lambda m: half_knots(m, "constant"),
+    ),
+    Variant(
+        "knots = half (linear)",
+        "least-squares compressed, euler, native steps",
+        lambda m: half_knots(m, "linear"),
+    ),
+    Variant("euler, steps x0.5", "half the field evaluations", lambda m: odeify.retarget(m, steps=0.5)),
+    Variant(
+        "midpoint, steps x0.5",
+        "as many evaluations as native",
+        lambda m: odeify.retarget(m, integrator="midpoint", steps=0.5),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    what: str
+    evaluations: int  # field evaluations of all stages together
+    parameters: int
+    deviation: float  # max |out - timm| / max |timm|
+    median: float  # seconds
+    ratio: float  # median of per-round ratios to the original
+
+
+def machine() -> dict[str, str]:
+    """nproc, CPU model, torch version and threads, for the record."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        cpu = platform.processor() or "unknown"
+    return {
+        "nproc": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "load": " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
+    }
+
+
+def timed(module: nn.Module, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    module(x)
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> tuple[list[Row], float]:
+    torch.set_num_threads(args.threads)
+    shape = (args.batch, 3, args.size, args.size)
+    model = odeify.make_test_model(args.model).eval()  # non-trivial random weights; timing ignores them
+    native = odeify.convert(model, input_size=shape).eval()
+    modules = {"original": model}
+    built = []
+    for variant in VARIANTS:
+        module = variant.build(native).eval()
+        modules[variant.label] = module
+        built.append((variant, module))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {label: [] for label in modules}
+    with torch.no_grad():
+        reference = model(x)
+        outputs = {label: module(x) for label, module in modules.items()}  # warm-up, and the deviation
+        with tqdm(total=args.repeats * len(modules), desc="timing", file=sys.stderr) as progress:
+            for _ in range(args.repeats):
+                for label, module in modules.items():  # round-robin: A B C ... A B C ...
+                    times[label].append(timed(module, x))
+                    progress.update()
+    rows = []
+    scale = reference.abs().max()
+    for variant, module in built:
+        ratios = [t / o for t, o in zip(times[variant.label], times["original"], strict=True)]
+        rows.append(
+            Row(
+                label=variant.label,
+                what=variant.what,
+                evaluations=sum(count_evaluations(s) for s in converted_stages(module)),
+                parameters=sum(p.numel() for p in module.parameters()),
+                deviation=((outputs[variant.label] - reference).abs().max() / scale).item(),
+                median=statistics.median(times[variant.label]),
+                ratio=statistics.median(ratios),
+            )
+        )
+    return rows, statistics.median(times["original"])
+
+
+HEADERS = ("variant", "stages", "field evals", "params (M)", "median (s)", "time / timm")
+
+
+def cells(row: Row) -> tuple[str, ...]:
+    return (
+        row.label,
+        row.what,
+        str(row.evaluations),
+        f"{row.parameters / 1e6:.1f}",
+        f"{row.median:.3f}",
+        f"{row.ratio:.2f}x",
+    )
+
+
+def verdict(rows: list[Row]) -> str:
+    native = rows[0]
+    status = "met" if native.ratio <= TARGET else "MISSED"
+    return (
+        f"target {status}: converted native / timm = {native.ratio:.2f}x (target <= {TARGET:.2f}x); "
+        f"native output = timm output to {native.deviation:.1e} relative"
+    )
+
+
+def markdown(rows: list[Row], original: float, args: argparse.Namespace, command: str, info: dict) -> str:
+    shape = f"{args.batch}x3x{args.size}x{args.size}"
+    lines = [
+        f"# Forward time: converted {args.model} vs timm",
+        "",
+        f"Eval mode, `torch.no_grad()`, input {shape}, {info['threads']} threads. All variants run in one",
+        f"process, round-robin for {args.repeats} rounds after a warm-up call each; 'time / timm' is the",
+        "median of the per-round ratios to the original timm model, whose median time was",
+        f"{original:.3f} s. 'field evals' counts block evaluations over all ODE stages (the native model:",
+        "one per block). Weights are random (timing does not depend on them), so only the native",
+        "variant's output is compared with timm's (max |out - timm| / max |timm|, below the table).",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(HEADERS))) + "|",
+        *("| " + " | ".join(cells(row)) + " |" for row in rows),
+        "",
+        verdict(rows) + ".",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']} with {info['threads']} "
+        f"threads, Python {info['python']}; load average (1, 5, 15 min) at the end: {info['load']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    default_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parser = argparse.ArgumentParser(
+        description="Time converted-model manifestations against the original timm model (eval, no_grad), "
+        "interleaved in one process; prints a table and writes benchmarks/results/forward.md.",
+    )
+    parser.add_argument("--model", default="resnet50", help="timm model name (random weights)")
+    parser.add_argument("--batch", type=int, default=8, help="batch size")
+    parser.add_argument("--size", type=int, default=224, help="input height and width")
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="timed rounds (each times every variant once)"
+    )
+    parser.add_argument("--threads", type=int, default=default_threads, help="torch.set_num_threads value")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="Markdown record to write")
+    args = parser.parse_args(argv)
+    for name in ("batch", "size", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+
+    rows, original = run(args)
+    table = Table(
+        title=f"{args.model} forward, {args.batch}x3x{args.size}x{args.size}: time relative to timm",
+        caption=verdict(rows),
+    )
+    for i, header in enumerate(HEADERS):
+        table.add_column(header, justify="left" if i < 2 else "right")
+    for row in rows:
+        table.add_row(*cells(row))
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
+    print(f"timm median: {original:.3f} s; native ratio: {rows[0].ratio:.2f}x")
+
+    command = "python benchmarks/forward.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
+    atomic_write_bytes(args.output, markdown(rows, original, args, command, machine()).encode())
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""``odeify.convert``: exact at native depth across the timm ResNet zoo, and clear errors on bad input.
+
+Exactness (DESIGN.md section 2): Euler with steps = L (the default) and any basis reproduces the eager
+model, because every basis passes through the knots and the knots are the blocks' own weights. Test
+models have non-trivial residual branches (``make_test_model``: no zero-init of the last BN,
+randomised BN statistics), so an identity stage would fail. fp32 is converted from the fp32 model and
+compared with the fp32 eager model (the user's path), not cast down from the fp64 conversion.
+
+The zoo sweep is marked ``zoo``: a representative subset always runs; the rest with ODEIFY_ZOO=all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import odeify
+from odeify.bases import MAX_KNOTS
+from odeify.convert import converted_stages
+from odeify.errors import ConfigError
+from odeify.models import DIGITS_ARCH
+from odeify.tableaus import KNOWN_INTEGRATORS, Tableau
+
+SHAPE = (1, 3, 64, 64)  # small: exactness does not depend on the spatial size
+BASES = ("constant", "linear", "cubic")
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}  # max|diff| / max|ref|
+
+# (id, timm name, timm kwargs); the first block of each set always runs
+REPRESENTATIVE = [
+    ("resnet18", "resnet18", {}),
+    ("resnet50", "resnet50", {}),
+    ("resnetv2_50", "resnetv2_50", {}),
+    ("nf_resnet50", "nf_resnet50", {}),
+    ("res2net50_26w_4s", "res2net50_26w_4s", {}),
+    ("resnet33ts", "resnet33ts", {}),
+    ("skresnet18", "skresnet18", {}),
+    ("resnet18-drop_path", "resnet18", {"drop_path_rate": 0.1}),
+]
+REST = [
+    ("resnet34", "resnet34", {}),
+    ("resnet50d", "resnet50d", {}),
+    ("seresnet50", "seresnet50", {}),
+    ("resnext50_32x4d", "resnext50_32x4d", {}),
+    ("wide_resnet50_2", "wide_resnet50_2", {}),
+    ("resnetrs50", "resnetrs50", {}),
+    ("resnetblur50", "resnetblur50", {}),
+    ("resnet101", "resnet101", {}),
+    ("resnet152", "resnet152", {}),
+    ("resnet26t", "resnet26t", {}),
+]
+FULL_ZOO = os.environ.get("ODEIFY_ZOO", "").strip().lower() == "all"
+_skip_rest = pytest.mark.skipif(not FULL_ZOO, reason="full zoo sweep runs with ODEIFY_ZOO=all")
+ZOO = [
+    pytest.param(name, kwargs, basis, id=f"{ident}-{basis}", marks=[pytest.mark.zoo])
+    for ident, name, kwargs in REPRESENTATIVE
+    for basis in BASES
+] + [
+    pytest.param(name, kwargs, basis, id=f"{ident}-{basis}", marks=[pytest.mark.zoo, _skip_rest])
+    for ident, name, kwargs in REST
+    for basis in BASES
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensors: one thread is as fast and immune to the oversubscription of a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+# --- exact at native depth --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "kwargs", "basis"), ZOO)
+def test_exact_at_native_depth(test_model, image, name: str, kwargs: dict, basis: str) -> None:
+    for dtype in (torch.float64, torch.float32):
+        model = test_model(name, dtype=dtype, **kwargs)
+        x = image(SHAPE, dtype=dtype)
+        converted = odeify.convert(model, basis=basis, input_size=SHAPE)
+        with torch.no_grad():
+            ref, out = model(x), converted(x)
+        assert ref.abs().max() > 0
+        error = relative_error(out, ref)
+        assert error <= TOLERANCE[dtype], f"{name} {basis} {dtype}: relative error {error:.3e}"
+
+        assert not [m for m in converted.modules() if isinstance(m, _BatchNorm)], "BatchNorm left"
+        stages = converted_stages(converted)
+        assert stages, "no ODE stage"
+        for stage in stages:
+            assert stage.num_knots == stage.depth, f"{stage.stage_name}: knots != blocks"
+            assert (stage.basis, stage.integrator.name, stage.steps) == (basis, "euler", stage.depth)
+        assert converted.meta["odeify"]["not_lifted"] == {}
+        if dtype == torch.float64 and basis == "constant":
+            # every identity block of the model sits in a stage, one knot each
+            plan = odeify.analyze(model, input_size=SHAPE)
+            identity = sum(1 for b in plan.blocks if b.kind == "identity")
+            assert sum(s.depth for s in stages) == identity
+            assert [s.depth for s in stages] == [run.length for run in plan.runs]
+
+
+def test_resnet152_layer3_is_one_run_of_35() -> None:
+    """The structure the manifestation tests rely on (analysis only: no conversion, fast)."""
+    plan = odeify.analyze("resnet152", input_size=SHAPE)
+    assert [(run.name, run.length) for run in plan.runs] == [
+        ("layer1", 2),
+        ("layer2", 7),
+        ("layer3", 35),
+        ("layer4", 2),
+    ]
+
+
+# --- bad input ----------------------------------------------------------------------------------------
+
+
+DIGITS_SHAPE = (1, 1, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def digits() -> nn.Module:
+    return odeify.make_test_model(DIGITS_ARCH)
+
+
+@pytest.fixture(scope="module")
+def digits_converted(digits) -> torch.fx.GraphModule:
+    return odeify.convert(digits, input_size=DIGITS_SHAPE)
+
+
+def test_digits_stage_names(digits_converted) -> None:
+    stages = {s.stage_name: s.depth for s in converted_stages(digits_converted)}
+    assert stages == {"layer1": 4, "layer2": 3}
+
+
+def test_unknown_integrator_lists_known_ones(digits, digits_converted) -> None:
+    for call in (
+        lambda: odeify.convert(digits, integrator="rk5", input_size=DIGITS_SHAPE),
+        lambda: odeify.retarget(digits_converted, integrator="rk5"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            call()
+        message = str(info.value)
+        assert "'rk5'" in message
+        assert all(name in message for name in KNOWN_INTEGRATORS)
+
+
+def test_integrator_of_wrong_type(digits) -> None:
+    with pytest.raises(ConfigError, match="integrator must be a name"):
+        odeify.convert(digits, integrator=4, input_size=DIGITS_SHAPE)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"a": [[0, 0], ["1/2", 0]], "b": ["1/2", "1/3"]}, "sum to 5/6"),
+        ({"a": [[0, 1], [1, 0]], "b": ["1/2", "1/2"]}, "strictly lower triangular"),
+        ({"a": [[0, 0], [1, 0]], "b": ["1/2", "1/2"], "c": [0, "1/2"]}, "row sums"),
+        ({"a": [[0, 0], [2, 0]], "b": ["3/4", "1/4"]}, "outside [0, 1]"),
+        ({"a": [[0, 0], [1, 0]], "b": ["1/2", "1/2"], "order": 3}, "order at most 2"),
+        ({"a": [[0, 0], [1, 0]], "b": ["3/4", "1/4"], "order": 2}, "order-2 conditions do not hold"),
+        ({"a": [[0]], "b": ["x"]}, "not a number"),
+    ],
+)
+def test_invalid_tableau(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        Tableau.create("mine", **kwargs)
+
+
+def test_user_tableau_converts(digits, image) -> None:
+    heun3 = Tableau.create("heun3", [[0, 0, 0], ["1/3", 0, 0], [0, "2/3", 0]], ["1/4", 0, "3/4"], order=3)
+    converted = odeify.convert(digits, integrator=heun3, input_size=DIGITS_SHAPE)
+    assert {s.integrator.name for s in converted_stages(converted)} == {"heun3"}
+    with torch.no_grad():
+        assert torch.isfinite(converted(image(DIGITS_SHAPE))).all()
+
+
+@pytest.mark.parametrize("steps", [0, -1, True, "fast", "2", [3]])
+def test_bad_steps(digits, steps) -> None:
+    with pytest.raises(ConfigError, match="positive integer"):
+        odeify.convert(digits, steps=steps, input_size=DIGITS_SHAPE)
+    with pytest.raises(ConfigError, match="positive integer"):
+        odeify.convert(digits, steps={"layer1": steps}, input_size=DIGITS_SHAPE)
+
+
+@pytest.mark.parametrize("steps", [0.0, -2.0, math.nan, math.inf])
+def test_bad_steps_multiplier(digits_converted, steps: float) -> None:
+    with pytest.raises(ConfigError, match="multiplier must be > 0"):
+        odeify.retarget(digits_converted, steps=steps)
+
+
+def test_float_steps_are_depth_multipliers(digits_converted) -> None:
+    """An int is a step count; a float multiplies each stage's depth (rounded, at least 1)."""
+    cases = {3: (3, 3), 2.0: (8, 6), 2.5: (10, 8), 0.5: (2, 2), 0.01: (1, 1), "native": (4, 3)}
+    for steps, expected in cases.items():
+        converted = odeify.retarget(digits_converted, steps=steps)
+        assert tuple(s.steps for s in converted_stages(converted)) == expected, steps
+
+
+def test_stage_dict_with_unknown_name_lists_the_stages(digits, digits_converted) -> None:
+    calls = [
+        lambda: odeify.convert(digits, steps={"layer9": 2}, input_size=DIGITS_SHAPE),
+        lambda: odeify.convert(digits, knots={"layer1": 2, "stage3": 2}, input_size=DIGITS_SHAPE),
+        lambda: odeify.retarget(digits_converted, steps={"layer9": 2}),
+        lambda: odeify.retarget(digits_converted, knots={"layer9": 2}),
+        lambda: odeify.set_backward(digits_converted, {"layer9": "checkpoint"}),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError, match="do not exist") as info:
+            call()
+        assert "layer1" in str(info.value) and "layer2" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("knots", "needle"),
+    [
+        (0, ">= 1"),
+        (-3, ">= 1"),
+        (MAX_KNOTS + 1, "exceeds the maximum"),
+        (2.5, "positive int"),
+        ("half", "positive int"),
+    ],
+)
+def test_bad_knots(digits, digits_converted, knots, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        odeify.convert(digits, knots=knots, input_size=DIGITS_SHAPE)
+    with pytest.raises(ConfigError, match=needle):
+        odeify.retarget(digits_converted, knots={"layer2": knots})
+
+
+def test_unknown_basis_and_backward(digits, digits_converted) -> None:
+    with pytest.raises(ConfigError, match="known bases: constant, cubic, linear"):
+        odeify.convert(digits, basis="quadratic", input_size=DIGITS_SHAPE)
+    with pytest.raises(ConfigError, match="known bases"):
+        odeify.retarget(digits_converted, basis="quadratic")
+    with pytest.raises(ConfigError, match="unknown backward mode"):
+        odeify.retarget(digits_converted, backward="adjoint")
+
+
+def test_retarget_needs_a_converted_model(digits) -> None:
+    traced = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ConfigError, match="no ODE stages"):
+        odeify.retarget(traced, steps=2)
+
+
+# --- retargeting the basis: when knots can serve another basis ----------------------------------------
+#
+# Rule (odeify.convert._change_knots): a stage may switch basis with its knots as they are only when it
+# has one knot per block. Those knots are the blocks' weights, which every basis interpolates, so native
+# Euler stays exact. Knots compressed by least squares (or refined) under one basis are values of that
+# basis's weight path; reading them with another basis would silently swap the weight path for one that
+# is neither the old path nor the least-squares fit under the new basis. That is a ConfigError, unless
+# the same call also sets the knot count, which explicitly resamples the current path.
+
+
+def test_basis_switch_on_native_knots_keeps_native_exactness(digits, digits_converted, image) -> None:
+    x = image(DIGITS_SHAPE)
+    with torch.no_grad():
+        ref = digits(x)
+        for basis in BASES:
+            out = odeify.retarget(digits_converted, basis=basis)(x)
+            assert relative_error(out, ref) <= 1e-5, basis
+
+
+def test_basis_switch_on_compressed_knots_is_refused(digits_converted) -> None:
+    compressed = odeify.retarget(digits_converted, knots={"layer1": 2})
+    with pytest.raises(ConfigError) as info:
+        odeify.retarget(compressed, basis="cubic")
+    message = str(info.value)
+    assert (
+        "'layer1' has 2 knots for its 4 blocks, compressed by least squares under the 'constant'" in message
+    )
+    assert "convert the original model with basis='cubic', knots=2" in message
+    assert "knots='native'" in message
+    with pytest.raises(ConfigError, match="compressed by least squares"):
+        odeify.retarget(
+            compressed, basis="linear", knots={"layer1": 2}
+        )  # same count: still a reinterpretation
+    refined = odeify.retarget(digits_converted, knots={"layer2": 5})
+    with pytest.raises(ConfigError, match="'layer2' has 5 knots for its 3 blocks, refined under"):
+        odeify.retarget(refined, basis="linear")
+
+
+def test_basis_switch_with_new_knot_count_resamples(digits_converted) -> None:
+    compressed = odeify.retarget(digits_converted, knots={"layer1": 2})
+    resampled = odeify.retarget(compressed, basis="cubic", knots="native")
+    assert [(s.basis, s.num_knots) for s in converted_stages(resampled)] == [("cubic", 4), ("cubic", 3)]
+    # the constant 2-knot path sampled at k/4: knots 0, 0, 1, 1
+    layer1 = converted_stages(compressed)[0]
+    again = converted_stages(resampled)[0]
+    for name, coarse in layer1.knots.items():
+        torch.testing.assert_close(again.knots[name], coarse[[0, 0, 1, 1]], rtol=0, atol=0)
+    # from native knots a basis and a compression together fit the blocks under the new basis
+    cubic2 = odeify.retarget(digits_converted, basis="cubic", knots={"layer1": 2})
+    assert converted_stages(cubic2)[0].basis == "cubic"
+
+
+def test_convert_with_knots_equals_retarget(digits) -> None:
+    """Compressing at conversion and compressing a converted model are the same least-squares fit."""
+    at_convert = odeify.convert(digits, basis="linear", knots={"layer1": 2}, input_size=DIGITS_SHAPE)
+    later = odeify.retarget(
+        odeify.convert(digits, basis="linear", input_size=DIGITS_SHAPE), knots={"layer1": 2}
+    )
+    for a, b in zip(converted_stages(at_convert), converted_stages(later), strict=True):
+        assert (a.basis, a.num_knots) == (b.basis, b.num_knots)
+        for name, knot in a.knots.items():
+            assert torch.equal(knot, b.knots[name]), (a.stage_name, name)
+    assert [s.num_knots for s in converted_stages(at_convert)] == [2, 3]
+
+
+class _Block(nn.Module):
+    """A post-activation identity block, with or without an activation inside its branch."""
+
+    def __init__(self, channels: int, inner_act: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.act = nn.ReLU() if inner_act else nn.Identity()
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.out = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x + self.conv2(self.act(self.conv1(x))))
+
+
+class _TwoRuns(nn.Module):
+    """Four same-shape identity blocks in one Sequential that form two runs (the branches differ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*(_Block(8, inner_act=i < 2) for i in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.stem(x)).mean((2, 3))
+
+
+def test_adjacent_runs_are_both_lifted(image) -> None:
+    """The second run's input is the first run's output, which lifting the first run replaces."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = _TwoRuns().double().eval()
+    shape = (2, 3, 8, 8)
+    converted = odeify.convert(net, input_size=shape)
+    assert [(s.stage_name, s.depth) for s in converted_stages(converted)] == [
+        ("blocks", 2),
+        ("blocks.run2", 2),
+    ]
+    x = image(shape, dtype=torch.float64)
+    with torch.no_grad():
+        assert relative_error(converted(x), net(x)) <= 1e-12
