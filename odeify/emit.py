@@ -115,7 +115,8 @@ class StageWriter:
 
     def field(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> fx.Node:
         """F(t, y): ``L * (block(y) - y)`` for post-activation blocks, ``L * f(y)`` for pre-activation."""
-        key = (self.stage.row(t, left), self.stage.variant_index(t, left), y)
+        variant = self.stage.variant_index(t, left) if len(self.stage.variants) else None
+        key = (self.stage.row(t, left), variant, y)
         if key not in self._fields:
             self.evaluations += 1
             branch, out = self.block(t, left, y, tag)
