@@ -4,7 +4,8 @@ Leaf policy (which modules stay opaque ``call_module`` nodes):
 
 * timm's registry of untraceable modules, minus ``NormFreeBlock`` (kept opaque it would hide
   NF-ResNet's residual structure);
-* ``DropPath``: traced through, its in-place ``div_`` is dropped by dead-code elimination;
+* plus timm's ``DropPath``: traced through, its ``self.training`` test would be frozen at trace
+  time (traced in eval mode, the module would vanish from the graph);
 * torch.nn modules, as fx does by default, so norm layers that branch on ``self.training`` never
   have the training flag frozen into the graph;
 * except the parameterised layers in :data:`TRACE_THROUGH`, which are traced into functional calls
@@ -19,7 +20,11 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 
 from odeify.errors import TraceError
 
@@ -153,6 +158,8 @@ class _QuietShapeProp(fx.Interpreter):
         try:
             with self.fake_mode:
                 result = super().run_node(n)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            result = self._run_on_zeros(n)  # a leaf branching on values (`if x.sum() > 0`)
         except Exception as exc:
             raise _NodeFailed(n, exc) from exc
         finally:
@@ -162,6 +169,25 @@ class _QuietShapeProp(fx.Interpreter):
         elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
             n.meta["tensor_meta"] = type(result)(_extract_tensor_metadata(r) for r in result)
         return result
+
+    def _run_on_zeros(self, n: fx.Node):
+        """Run one node for real on zeros of its inputs' shapes; fake tensors cannot branch on values."""
+
+        def real(a):
+            return torch.zeros(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else a
+
+        def fake(a):
+            return self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = fx.node.map_aggregate((args, kwargs), real)
+        self.module = self.real_module
+        try:
+            with torch.no_grad():
+                result = getattr(self, n.op)(n.target, args, kwargs)
+        except Exception as exc:
+            raise _NodeFailed(n, exc) from exc
+        return fx.node.map_aggregate(result, fake)
 
     def propagate(self, *args):
         return super().run(*args)

@@ -1,0 +1,36 @@
+"""Shared fixtures: cached random-weight test models and fixed random inputs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from odeify.models import make_test_model
+
+
+@pytest.fixture(scope="session")
+def test_model() -> Callable[..., nn.Module]:
+    """``test_model(name, dtype=..., **timm_kwargs)``: a fresh copy of a cached ``make_test_model``."""
+    cache: dict[tuple, nn.Module] = {}
+
+    def get(name: str, dtype: torch.dtype = torch.float32, **kwargs: object) -> nn.Module:
+        key = (name, dtype, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = make_test_model(name, dtype=dtype, **kwargs)
+        return copy.deepcopy(cache[key])
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def image() -> Callable[..., torch.Tensor]:
+    """``image(shape, dtype=..., seed=...)``: a deterministic standard-normal input."""
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+    return make

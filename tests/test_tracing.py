@@ -1,0 +1,181 @@
+"""Tests for odeify.tracing: the leaf policy, exactness of the traced module, shape annotation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+from timm.layers import DropPath
+from torch import nn
+
+from odeify.errors import TraceError
+from odeify.tracing import annotate_shapes, node_shape, suggest_names, trace
+
+SHAPE = (2, 3, 64, 64)  # batch 2: train-mode BatchNorm needs more than one value per channel
+
+TRACE_CASES = [
+    pytest.param("resnet18", {"drop_path_rate": 0.1}, id="resnet18+drop_path"),
+    pytest.param("resnetv2_50", {"drop_path_rate": 0.1}, id="resnetv2_50+drop_path"),
+]
+
+
+def _module_nodes(gm: fx.GraphModule, kind: type[nn.Module]) -> list[fx.Node]:
+    """The call_module nodes of ``gm`` that call a ``kind`` module."""
+    return [
+        n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), kind)
+    ]
+
+
+def _bn_stats(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Running statistics of every BatchNorm, by module path relative to the model."""
+    return {
+        name: torch.cat([m.running_mean, m.running_var])
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
+
+
+@pytest.mark.parametrize(("name", "kwargs"), TRACE_CASES)
+def test_traced_module_matches_eager_in_eval_mode(name: str, kwargs: dict, test_model, image) -> None:
+    model = test_model(name, **kwargs)
+    gm = trace(copy.deepcopy(model))
+    x = image(SHAPE)
+    with torch.no_grad():
+        assert (gm(x) - model(x)).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize(("name", "kwargs"), TRACE_CASES)
+def test_traced_module_matches_eager_in_train_mode(name: str, kwargs: dict, test_model, image) -> None:
+    """Traced in eval mode, then ``.train()``: batch statistics and DropPath with the same RNG stream."""
+    model = test_model(name, **kwargs)
+    gm = trace(copy.deepcopy(model))  # own copy: running statistics must update independently
+    assert not gm.training
+    x = image(SHAPE)
+    before = _bn_stats(model)
+    model.train()
+    gm.train()
+    with torch.no_grad():
+        torch.manual_seed(7)
+        eager = model(x)
+        torch.manual_seed(7)
+        traced = gm(x)
+    assert (traced - eager).abs().max().item() == 0.0
+    # BatchNorm ran in train mode in both, updating the running statistics identically.
+    eager_stats, traced_stats = _bn_stats(model), _bn_stats(gm)
+    assert traced_stats and set(traced_stats) <= set(eager_stats)
+    for key, value in traced_stats.items():
+        assert torch.equal(value, eager_stats[key]), key
+        assert not torch.equal(value, before[key]), key  # batch statistics were used and recorded
+    # DropPath really draws: another seed gives another output (the check above is not vacuous).
+    with torch.no_grad():
+        torch.manual_seed(8)
+        assert (gm(x) - traced).abs().max().item() > 0.0
+
+
+@pytest.mark.parametrize(("name", "kwargs"), TRACE_CASES)
+def test_drop_path_is_a_leaf(name: str, kwargs: dict, test_model) -> None:
+    """Traced through, DropPath's training branch would be frozen out of the graph."""
+    model = test_model(name, **kwargs)
+    gm = trace(model)
+    expected = [m for m in model.modules() if isinstance(m, DropPath)]
+    assert expected
+    assert len(_module_nodes(gm, DropPath)) == len(expected)
+
+
+def test_leaf_policy_traces_convs_and_keeps_norms_opaque(test_model) -> None:
+    gm = trace(test_model("resnet18"))
+    functions = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.conv2d in functions
+    assert not _module_nodes(gm, nn.Conv2d)  # traced into torch.conv2d with get_attr weights
+    assert any(n.op == "get_attr" and n.target == "conv1.weight" for n in gm.graph.nodes)
+    assert len(_module_nodes(gm, nn.BatchNorm2d)) == 20  # norms stay opaque: training flag not frozen
+    assert len(_module_nodes(gm, nn.Linear)) == 0
+
+
+def test_normfree_blocks_are_traced_through(test_model) -> None:
+    from timm.models.nfnet import NormFreeBlock
+
+    gm = trace(test_model("nf_resnet50"))
+    assert not _module_nodes(gm, NormFreeBlock)
+    adds = [n for n in gm.graph.nodes if n.op == "call_function" and "add" in str(n.target)]
+    assert len(adds) >= 16  # one residual add per block is visible
+
+
+def test_extra_leaves_stay_opaque() -> None:
+    class Inner(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + 1
+
+    assert not _module_nodes(trace(Outer()), Inner)
+    assert len(_module_nodes(trace(Outer(), extra_leaves=[Inner]), Inner)) == 1
+
+
+def test_annotate_shapes_records_every_tensor(test_model) -> None:
+    model = test_model("resnet18", dtype=torch.float64)
+    gm = trace(model)
+    annotate_shapes(gm, (1, 3, 64, 64))
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            assert "tensor_meta" in node.meta, node.name
+    (out,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    assert node_shape(out) == (1, 1000)
+    assert out.meta["tensor_meta"].dtype == torch.float64  # dtype follows the parameters
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert node_shape(x) == (1, 3, 64, 64)
+    add = next(n for n in gm.graph.nodes if n.op == "call_function" and "add" in str(n.target))
+    assert node_shape(add) == (1, 64, 16, 16)
+
+
+def test_annotate_shapes_runs_data_dependent_leaves_for_real() -> None:
+    """A leaf that branches on values cannot run on fake tensors; it runs once on zeros instead."""
+
+    class Gate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if x.sum() > 0 else x[:, :1].expand_as(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = Gate()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gate(x) + x
+
+    gm = trace(Net(), extra_leaves=[Gate])
+    annotate_shapes(gm, (1, 4, 5, 5))
+    gate = next(n for n in gm.graph.nodes if n.op == "call_module")
+    assert node_shape(gate) == (1, 4, 5, 5)
+
+
+def test_untraceable_module_is_named() -> None:
+    class Picky(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if x.sum() > 0 else -x
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Identity(), Picky())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    with pytest.raises(TraceError) as info:
+        trace(Net())
+    message = str(info.value)
+    assert "body.1" in message and "Picky" in message and "leaf" in message
+
+
+def test_suggest_names() -> None:
+    assert suggest_names("resnet5", ["resnet50", "resnet18", "vgg11"])[0] == "resnet50"
+    assert suggest_names("zzzz", ["resnet50"]) == []
