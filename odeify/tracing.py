@@ -20,11 +20,6 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
 
 from odeify.errors import TraceError
 
@@ -112,19 +107,17 @@ def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, str]
 
 
 def annotate_shapes(gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
-    """Record ``node.meta["tensor_meta"]`` for every node, running the graph on fake tensors.
+    """Record ``node.meta["tensor_meta"]`` for every node, running the graph on meta tensors.
 
-    Fake tensors carry shapes and dtypes but no data, so a resnet152 costs no real forward.
-    An input the model rejects raises a :class:`TraceError` naming the node that failed.
+    Meta tensors carry shapes and dtypes but no data, so a resnet152 costs no real forward and no
+    copy of its weights. An input the model rejects raises a :class:`TraceError` naming the node.
     """
-
     if dtype is None:
         dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    example = mode.from_tensor(torch.empty(tuple(input_shape), dtype=dtype))
-    prop = _QuietShapeProp(gm, fake_mode=mode)
+    example = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     try:
-        prop.propagate(example)
+        with torch.no_grad():
+            _MetaShapeProp(gm).run(example)
     except _NodeFailed as failed:
         raise TraceError(
             f"The model rejects an input of shape {tuple(input_shape)}: node '{failed.node.name}' "
@@ -140,30 +133,44 @@ class _NodeFailed(Exception):
         self.cause = cause
 
 
-class _QuietShapeProp(fx.Interpreter):
-    """ShapeProp without its traceback printing: failures become :class:`_NodeFailed`."""
+def _to_meta(value):
+    return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
 
-    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:
-        from torch._dynamo.utils import deepcopy_to_fake_tensor
 
+class _MetaShapeProp(fx.Interpreter):
+    """Runs a graph on meta tensors, swapping weights for meta copies as nodes read them.
+
+    A node meta tensors cannot run (a leaf that branches on values, ``if x.sum() > 0``) runs for
+    real on zeros of its inputs' shapes; if that fails too, the node really rejects its input.
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
-        self.fake_mode = fake_mode
-        self.real_module = gm
-        self.fake_module = deepcopy_to_fake_tensor(gm, fake_mode)
+        self.real = False
+        self._meta_attrs: dict[str, torch.Tensor] = {}
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if self.real:
+            return value
+        if target not in self._meta_attrs:
+            self._meta_attrs[target] = _to_meta(value)
+        return self._meta_attrs[target]
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        if self.real:
+            return module(*args, **kwargs)
+        tensors = {name: _to_meta(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        return torch.func.functional_call(module, tensors, tuple(args), kwargs)
 
     def run_node(self, n: fx.Node):
         from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-        self.module = self.fake_module
         try:
-            with self.fake_mode:
-                result = super().run_node(n)
-        except (DataDependentOutputException, DynamicOutputShapeException):
-            result = self._run_on_zeros(n)  # a leaf branching on values (`if x.sum() > 0`)
-        except Exception as exc:
-            raise _NodeFailed(n, exc) from exc
-        finally:
-            self.module = self.real_module
+            result = super().run_node(n)
+        except Exception:
+            result = self._run_on_zeros(n)
         if isinstance(result, torch.Tensor):
             n.meta["tensor_meta"] = _extract_tensor_metadata(result)
         elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
@@ -171,26 +178,19 @@ class _QuietShapeProp(fx.Interpreter):
         return result
 
     def _run_on_zeros(self, n: fx.Node):
-        """Run one node for real on zeros of its inputs' shapes; fake tensors cannot branch on values."""
-
         def real(a):
-            return torch.zeros(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else a
-
-        def fake(a):
-            return self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+            return torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
 
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         args, kwargs = fx.node.map_aggregate((args, kwargs), real)
-        self.module = self.real_module
+        self.real = True
         try:
-            with torch.no_grad():
-                result = getattr(self, n.op)(n.target, args, kwargs)
+            result = getattr(self, n.op)(n.target, args, kwargs)
         except Exception as exc:
             raise _NodeFailed(n, exc) from exc
-        return fx.node.map_aggregate(result, fake)
-
-    def propagate(self, *args):
-        return super().run(*args)
+        finally:
+            self.real = False
+        return fx.node.map_aggregate(result, _to_meta)
 
 
 def node_shape(node: fx.Node) -> tuple[int, ...] | None:
