@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -15,12 +17,16 @@ from passes.residual_blocks import find_blocks
 from passes.runs import group_runs
 
 
-def resolve_model(source: str | nn.Module, **load_kwargs) -> tuple[nn.Module, str]:
+def resolve_model(source: str | os.PathLike | nn.Module, **load_kwargs) -> tuple[nn.Module, str]:
     """An eval-mode module and a display name, from a module, a timm name or a checkpoint path."""
     from odeify.models import load_model
 
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
     model = load_model(source, **load_kwargs)
-    name = source if isinstance(source, str) else type(source).__name__
+    name = Path(source).name if isinstance(source, str) and os.sep in source else source
+    if not isinstance(name, str):
+        name = type(source).__name__
     return model, name
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -103,6 +104,8 @@ def convert(
 
 def _source_reference(model: str | nn.Module) -> str | None:
     """How to rebuild the source later: a timm/odeify name, an absolute checkpoint path, or None."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if not isinstance(model, str):
         return None
     path = Path(model)

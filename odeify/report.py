@@ -96,7 +96,7 @@ def describe(converted: nn.Module, name: str | None = None) -> ConversionReport:
         for stage in converted_stages(converted)
     )
     return ConversionReport(
-        model=name or str(meta["source"]),
+        model=name or str(meta["name"]),
         input_shape=tuple(meta["input_shape"]),
         stages=stages,
         parameters_before=int(meta["original_parameters"]),
