@@ -137,10 +137,10 @@ def markdown(rows: list[Row], command: str, info: dict[str, str], repeats: int) 
     lines = [
         "# Trace + analysis time vs one eager forward (seconds)",
         "",
-        f"`odeify.analyze(model, {INPUT_SHAPE})` (trace, fake-tensor shapes, residual blocks and runs)",
+        f"`odeify.analyze(model, {INPUT_SHAPE})` (trace, meta-tensor shapes, residual blocks and runs)",
         f"against one eager forward at {'x'.join(map(str, INPUT_SHAPE))} under `torch.no_grad()`; medians of",
         f"{repeats} runs after a warm-up call. 'analyze 1st' is that warm-up analysis; for the first model",
-        "it also pays the process's one-time costs (lazy imports, fake-tensor setup). 'analyze CPU' is the",
+        "it also pays the process's one-time costs (lazy imports, first-call set-up). 'analyze CPU' is the",
         "process CPU time of the analysis: on an idle machine it matches the wall time, so a gap between",
         "them shows time lost to other processes.",
         "",

@@ -125,7 +125,7 @@ class StageWriter:
             else:
                 delta = self.node("call_function", operator.sub, (out, y), name=f"{self.tag}_delta_{tag}")
             self._fields[key] = self.node(
-                "call_function", operator.mul, (delta, self.stage.depth), name=f"F_{tag}"
+                "call_function", operator.mul, (delta, self.stage.depth), name=f"{self.tag}_F_{tag}"
             )
         return self._fields[key]
 
