@@ -99,7 +99,7 @@ def convert(
         "original_parameters": sum(p.numel() for p in module.parameters()),
         "not_lifted": skipped,
     }
-    return lower_stages(gm)
+    return lower_stages(gm).train(module.training)
 
 
 def _source_reference(model: str | nn.Module) -> str | None:

@@ -38,6 +38,7 @@ class StageWriter:
         self._weights: dict[tuple, list[fx.Node]] = {}
         self._fields: dict[tuple, fx.Node] = {}
         self._knots: dict[tuple[str, int], fx.Node] = {}
+        self._unbound: dict[str, fx.Node] = {}
         self.evaluations = 0
 
     # -- node creation -------------------------------------------------------------------------
@@ -80,12 +81,21 @@ class StageWriter:
         return total
 
     def _knot(self, slot: Slot, k: int) -> fx.Node:
-        """Knot ``k`` of a slot: a view of the stacked tensor, emitted once."""
+        """Knot ``k`` of a slot, emitted once, from one ``unbind`` of the stack per slot.
+
+        ``unbind`` has a single backward node, so all knots' gradients land in one buffer; indexing
+        the stack per knot would allocate a stack-sized gradient for every use.
+        """
         key = (slot.name, k)
         if key not in self._knots:
-            stack = self.knot_inputs[slot.name]
+            if slot.name not in self._unbound:
+                stack = self.knot_inputs[slot.name]
+                name = f"{self.tag}_{slot.name}_knots"
+                self._unbound[slot.name] = self.node("call_function", torch.unbind, (stack,), name=name)
             name = f"{self.tag}_{slot.name}_k{k}"
-            self._knots[key] = self.node("call_function", operator.getitem, (stack, k), name=name)
+            self._knots[key] = self.node(
+                "call_function", operator.getitem, (self._unbound[slot.name], k), name=name
+            )
         return self._knots[key]
 
     # -- the block and the field ---------------------------------------------------------------
@@ -116,7 +126,8 @@ class StageWriter:
     def field(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> fx.Node:
         """F(t, y): ``L * (block(y) - y)`` for post-activation blocks, ``L * f(y)`` for pre-activation."""
         variant = self.stage.variant_index(t, left) if len(self.stage.variants) else None
-        key = (self.stage.row(t, left), variant, y)
+        # an evaluation that draws random numbers (DropPath) is its own draw: never shared across steps
+        key = (self.stage.row(t, left), variant, y, tag if self.stage.draws_random else None)
         if key not in self._fields:
             self.evaluations += 1
             branch, out = self.block(t, left, y, tag)

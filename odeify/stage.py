@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from odeify.adjoint import AdjointStats
 from odeify.bases import get_basis
 from odeify.errors import ConfigError
 from odeify.tableaus import Integrator, ReversibleHeun, resolve_integrator
@@ -70,7 +71,10 @@ class ODEStage(nn.Module):
                 self.register_buffer(f"{slot.kind}_{slot.name}", tensor)
         self.variants = nn.ModuleDict({key: nn.ModuleList(mods) for key, mods in (variants or {}).items()})
         self.variant_targets = {key.replace("__", "."): key for key in self.variants}
-        self.configure(basis=basis, integrator=integrator, steps=steps or depth, backward=backward)
+        self.adjoint_stats = AdjointStats()  # what the memory-free backward modes did (odeify.adjoint)
+        self.configure(
+            basis=basis, integrator=integrator, steps=steps or depth, backward=backward, checkpoint_every=1
+        )
 
     # -- configuration -------------------------------------------------------------------------
     def configure(
@@ -80,8 +84,13 @@ class ODEStage(nn.Module):
         integrator: str | Integrator | None = None,
         steps: int | None = None,
         backward: BackwardMode | None = None,
+        checkpoint_every: int | None = None,
     ) -> ODEStage:
-        """Set the manifestation; validates every setting and clears cached step graphs."""
+        """Set the manifestation; validates every setting and clears cached step graphs.
+
+        ``checkpoint_every=k`` makes ``backward='checkpoint'`` keep every k-th step's state and
+        recompute the k - 1 steps between in backward (memory ~ steps/k + k states).
+        """
         if basis is not None:
             self.basis = get_basis(basis).name
         if integrator is not None:
@@ -92,10 +101,17 @@ class ODEStage(nn.Module):
             self.backward = validate_backward(backward, self.integrator)
         elif integrator is not None:
             self.backward = validate_backward(self.backward, self.integrator)
+        if checkpoint_every is not None:
+            self.checkpoint_every = validate_checkpoint_every(checkpoint_every, self.stage_name)
         self._step_graphs: dict[tuple, fx.GraphModule] = {}
         self._rows: dict[tuple[Fraction, bool], tuple[Fraction, ...]] = {}
         self._mix_index: dict[tuple[Fraction, ...], int] = {}
         return self
+
+    @property
+    def draws_random(self) -> bool:
+        """Whether a block evaluation may draw random numbers (DropPath, dropout) in train mode."""
+        return any(_may_draw_random(m) for m in [*self.template.modules(), *self.variants.modules()])
 
     @property
     def num_knots(self) -> int:
@@ -154,7 +170,10 @@ class ODEStage(nn.Module):
         """F(t, x) evaluated eagerly at an exact time (a Fraction in [0, 1])."""
         from odeify.emit import build_field_graph
 
-        return build_field_graph(self, Fraction(t), left)(x, *self.knot_tensors())
+        key = (Fraction(t), left, "field")
+        if key not in self._step_graphs:
+            self._step_graphs[key] = build_field_graph(self, Fraction(t), left)
+        return self._step_graphs[key](x, *self.knot_tensors())
 
     def initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (x, x) if isinstance(self.integrator, ReversibleHeun) else (x,)
@@ -182,6 +201,12 @@ class ODEStage(nn.Module):
         )
 
 
+def _may_draw_random(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return bool(getattr(module, "drop_prob", 0))
+
+
 def validate_steps(steps: object, stage: str) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(
@@ -189,6 +214,15 @@ def validate_steps(steps: object, stage: str) -> int:
             f"got {steps!r}."
         )
     return steps
+
+
+def validate_checkpoint_every(every: object, stage: str) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(
+            f"checkpoint_every for stage '{stage}' must be a positive integer (1 keeps every step's "
+            f"state, k keeps every k-th and recomputes the rest); got {every!r}."
+        )
+    return every
 
 
 def validate_backward(mode: object, integrator: Integrator) -> BackwardMode:

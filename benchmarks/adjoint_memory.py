@@ -1,0 +1,462 @@
+"""Benchmark: memory, time and gradient error of one training step per backward mode, vs depth.
+
+The stage is resnet50's layer3 (5 bottleneck blocks) with random non-trivial weights, read with a
+linear basis and refined to N knots and N steps (N = 8, 16, 32, 64), run on its native input for
+224x224 images, (batch, 1024, 14, 14). Each (N, mode) trains one step (forward, backward of
+<y, fixed cotangent>) in a fresh process, which reports
+
+- bytes saved for backward: every tensor packed by ``saved_tensors_hooks`` during the forward,
+  once per storage, parameter storages excluded (they exist anyway);
+- peak RSS of the process during the step, and its growth over the RSS after setup (loading
+  the stage, building its step graphs);
+- step time (forward + backward), median of ``--repeats`` steps after the measured one;
+- relative error of the knot gradient against backprop through the same integrator;
+- with ``--device cuda``: the step's peak GPU memory over what the stage and input occupy.
+
+Modes: odeify's backprop / checkpoint / reverse (Euler) and reversible (reversible Heun, against
+backprop of reversible Heun), ``torch.utils.checkpoint`` around each Euler step of the unrolled
+stage, and torchdiffeq's ``odeint_adjoint`` (Euler, the same N-step grid, the same field).
+Writes benchmarks/results/adjoint_memory.md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import odeify
+from odeify.fileio import atomic_write_bytes
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STAGE = "layer3"
+CHANNELS = 1024
+MODES = {  # name: (integrator, odeify backward mode or external method, reference mode)
+    "backprop": ("euler", "backprop", "backprop"),
+    "checkpoint": ("euler", "checkpoint", "backprop"),
+    "reverse": ("euler", "reverse", "backprop"),
+    "torch.utils.checkpoint": ("euler", "backprop", "backprop"),
+    "torchdiffeq adjoint": ("euler", "backprop", "backprop"),
+    "backprop (rev. Heun)": ("reversible_heun", "backprop", "backprop (rev. Heun)"),
+    "reversible": ("reversible_heun", "reversible", "backprop (rev. Heun)"),
+}
+NOTES = """Reading the numbers:
+
+- 'saved' is the activation memory a mode keeps for backward: the input and output (reverse) or
+  the final (y, z) (reversible) at any N; every step's state (checkpoint, torch.utils.checkpoint);
+  every intermediate (backprop).
+- The peaks also hold the knots and their gradients, which grow with the knot count (knots =
+  steps here), and autograd's gradient of a stacked knot tensor through `stack[k]`, a dense
+  buffer of all K knots per use: that is why the memory-free modes' peaks rise with N too.
+- This test model (random weights, randomized BN statistics) is strongly expansive across the
+  stage. Stepping Euler backward cannot rebuild its states, so `reverse` falls back to exact
+  checkpointing on every pass (its time includes the failed attempt), and torchdiffeq's
+  continuous adjoint, which integrates x backward with the same Euler steps, is far off.
+- Reversible Heun's inverse is exact in exact arithmetic; it amplifies the round-off of the
+  field's arithmetic, strongly on such a stage. fp64 shows the gradient error is round-off
+  (`--dtype float64`). On GPUs fp32 convolutions default to TF32
+  (`torch.backends.cudnn.allow_tf32`), whose round-off is larger again.
+- GPU runs of this script: adjoint_memory_cuda.md (fp32, TF32 convolutions) and
+  adjoint_memory_cuda_fp64.md.
+- Step times on a shared machine vary between runs; the load average is recorded below."""
+FULL = {"batch": 8, "size": 14}
+QUICK = {"batch": 2, "size": 14}
+
+
+@dataclass
+class Result:
+    """One (steps, mode) measurement; memory in bytes, time in seconds."""
+
+    steps: int
+    mode: str
+    saved: int
+    peak_rss: int
+    setup_rss: int
+    time: float
+    cpu_time: float
+    fallbacks: int
+    worst_error: float
+    gpu_peak: int = 0
+    grad_error: float = math.nan
+
+
+# -- the child: one training step in a fresh process ---------------------------------------------
+def run_forward(stage: odeify.ODEStage, mode: str, x: torch.Tensor) -> torch.Tensor:
+    """The stage's output, with the graph that ``mode`` keeps for backward."""
+    if mode == "torch.utils.checkpoint":
+        state, knots = stage.initial_state(x), stage.knot_tensors()
+        for n in range(stage.steps):
+            state = torch.utils.checkpoint.checkpoint(
+                stage.step_graph(n), *state, *knots, use_reentrant=False
+            )
+        return state[0]
+    if mode == "torchdiffeq adjoint":
+        from torchdiffeq import odeint_adjoint
+
+        steps = stage.steps
+
+        class Field(torch.nn.Module):
+            def forward(self, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                # torchdiffeq's grid points are floats: map each to its exact grid time
+                return stage.field(Fraction(round(float(t) * steps), steps), y)
+
+        t = torch.tensor([0.0, 1.0], dtype=x.dtype, device=x.device)
+        options = {"step_size": 1.0 / steps}
+        params = tuple(stage.parameters())
+        return odeint_adjoint(Field(), x, t, method="euler", options=options, adjoint_params=params)[-1]
+    return stage(x)
+
+
+def child(args: argparse.Namespace) -> None:
+    """Measure one training step of ``args.mode`` on the stage saved at ``args.stage``; print JSON."""
+    integrator, backward, _ = MODES[args.mode]
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    stage = torch.load(args.stage, weights_only=False).to(device, dtype)
+    stage.configure(integrator=integrator, backward=backward)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, CHANNELS, args.size, args.size, generator=g).relu().to(device, dtype)
+    cotangent = torch.randn(x.shape, generator=g).to(device, dtype)
+    cuda = device.type == "cuda"
+    kinds = {"reverse": ["reverse"], "reversible": ["inverse"]}.get(backward, [])
+    for n in range(stage.steps):  # graph building is a one-time cost, not part of a step
+        for kind in ["forward", *kinds]:
+            stage.step_graph(n, kind)
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved.setdefault(ptr, t.numel() * t.element_size())
+        return t
+
+    def train_step(measure: bool) -> tuple[float, float]:
+        stage.zero_grad(set_to_none=True)
+        wall, cpu = time.perf_counter(), time.process_time()
+        with torch.autograd.graph.saved_tensors_hooks(pack if measure else (lambda t: t), lambda t: t):
+            y = run_forward(stage, args.mode, x)
+        (y * cotangent).sum().backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    setup_rss, setup_gpu = rss("VmRSS"), torch.cuda.memory_allocated(device) if cuda else 0
+    reset_peak_rss()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    wall, cpu = train_step(measure=True)
+    peak, gpu_peak = rss("VmHWM"), torch.cuda.max_memory_allocated(device) - setup_gpu if cuda else 0
+    if args.mode == "torch.utils.checkpoint":  # it keeps each step's input in a closure, unhooked
+        saved[-1] = stage.steps * x.numel() * x.element_size()
+    torch.save([p.grad.cpu() for p in stage.parameters()], args.grads)
+    timings = [train_step(measure=False) for _ in range(args.repeats)] or [(wall, cpu)]
+    stats = stage.adjoint_stats
+    result = Result(
+        steps=stage.steps,
+        mode=args.mode,
+        saved=sum(saved.values()),
+        peak_rss=peak,
+        setup_rss=setup_rss,
+        time=statistics.median(t for t, _ in timings),
+        cpu_time=statistics.median(c for _, c in timings),
+        fallbacks=stats.fallbacks,
+        worst_error=stats.worst_error,
+        gpu_peak=gpu_peak,
+    )
+    print(json.dumps(asdict(result)))
+
+
+def rss(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of this process, in bytes.
+
+    Not getrusage's ru_maxrss: Linux carries the parent's peak over fork/exec into the child's,
+    so a child of the parent that built resnet50 would report the parent's peak.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Restart VmHWM at the current RSS (Linux >= 4.0), so the next peak is the step's own.
+
+    Where the kernel does not offer it (gVisor), the peak includes the setup's.
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+# -- the parent: build stages, spawn children, compare gradients, report -------------------------
+def build_stages(steps: list[int], folder: Path) -> dict[int, Path]:
+    """resnet50's layer3 on a linear weight path, refined to N knots and N steps, saved per N."""
+    gm = odeify.convert(odeify.make_test_model("resnet50"), input_size=(1, 3, 224, 224))
+    gm = odeify.retarget(gm, basis="linear")
+    paths = {}
+    for n in steps:
+        refined = odeify.retarget(gm, knots={STAGE: n}, steps={STAGE: n})
+        stage = next(s for s in odeify.converted_stages(refined) if s.stage_name == STAGE)
+        paths[n] = folder / f"stage{n}.pt"
+        torch.save(stage, paths[n])
+    return paths
+
+
+def measure(path: Path, mode: str, sizes: dict, repeats: int, grads: Path) -> Result:
+    command = [
+        sys.executable, __file__, "--child", "--stage", str(path), "--mode", mode, "--grads", str(grads),
+        "--batch", str(sizes["batch"]), "--size", str(sizes["size"]), "--repeats", str(repeats),
+        "--device", sizes["device"], "--dtype", sizes["dtype"],
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} on {path.name} failed:\n{done.stderr}")
+    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    diff = sum(float((g.double() - w.double()).square().sum()) for g, w in zip(got, want, strict=True))
+    norm = sum(float(w.double().square().sum()) for w in want)
+    return math.sqrt(diff / norm)
+
+
+def run_all(steps: list[int], modes: list[str], sizes: dict, repeats: int) -> list[Result]:
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        paths = build_stages(steps, folder)
+        for n in steps:
+            files = {}
+            for mode in modes:
+                files[mode] = folder / f"grads_{n}_{len(files)}.pt"
+                result = measure(paths[n], mode, sizes, repeats, files[mode])
+                results.append(result)
+                print(f"  N={n:3d} {mode:24s} {result.time:7.2f} s", file=sys.stderr, flush=True)
+            for result in (r for r in results if r.steps == n):
+                reference = MODES[result.mode][2]
+                if reference in files:
+                    got, want = torch.load(files[result.mode]), torch.load(files[reference])
+                    result.grad_error = relative_error(got, want)
+            for file in files.values():
+                file.unlink()
+            paths[n].unlink()
+    return results
+
+
+# -- reporting ------------------------------------------------------------------------------------
+HEADERS = (
+    "steps", "mode", "saved MB", "peak RSS MB", "RSS over setup MB", "step s",
+    "vs backprop", "grad rel. err", "fallbacks", "worst recon. err",
+)  # fmt: skip
+
+
+def headers(results: list[Result]) -> tuple[str, ...]:
+    gpu = any(r.gpu_peak for r in results)
+    return HEADERS[:3] + ("GPU peak MB",) * gpu + HEADERS[3:]
+
+
+def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
+    base = next(x for x in results if x.steps == r.steps and x.mode == MODES[r.mode][2])
+    mb = 2**20
+    gpu = (f"{r.gpu_peak / mb:.0f}",) if any(x.gpu_peak for x in results) else ()
+    return (
+        str(r.steps),
+        r.mode,
+        f"{r.saved / mb:.1f}",
+        *gpu,
+        f"{r.peak_rss / mb:.0f}",
+        f"{(r.peak_rss - r.setup_rss) / mb:.0f}",
+        f"{r.time:.2f}",
+        f"{r.time / base.time:.2f}x",
+        "-" if math.isnan(r.grad_error) or r.mode == base.mode else f"{r.grad_error:.1e}",
+        str(r.fallbacks) if r.mode == "reverse" else "-",
+        f"{r.worst_error:.1e}" if r.mode in ("reverse", "reversible") else "-",
+    )
+
+
+def targets(results: list[Result]) -> list[str]:
+    """The targets from the issue, each with what was measured."""
+
+    def of(mode: str) -> list[Result]:
+        return sorted((r for r in results if r.mode == mode), key=lambda r: r.steps)
+
+    lines = []
+    for mode in ("reverse", "reversible", "backprop"):
+        rows = of(mode)
+        if len(rows) >= 2:
+            growth = rows[-1].saved / rows[0].saved
+            lines.append(
+                f"{mode}: saved bytes x{growth:.2f} from {rows[0].steps} to {rows[-1].steps} steps"
+                + (" (target: flat within 10%)" if mode != "backprop" else " (linear would be x"
+                   f"{rows[-1].steps / rows[0].steps:.0f})")
+            )  # fmt: skip
+    rev = of("reversible")
+    if rev:
+        worst = max(r.grad_error for r in rev)
+        lines.append(f"reversible: worst grad rel. error {worst:.1e} (target <= 1e-5)")
+        base = {r.steps: r for r in of("backprop (rev. Heun)")}
+        ratios = [r.time / base[r.steps].time for r in rev if r.steps in base]
+        if ratios:
+            lines.append(
+                f"reversible: step time {min(ratios):.2f}x..{max(ratios):.2f}x backprop of reversible Heun "
+                "(target <= 1.8x)"
+            )
+    for r in of("torchdiffeq adjoint"):
+        if r.steps == 16:
+            lines.append(
+                f"torchdiffeq adjoint at 16 Euler steps: grad rel. error {r.grad_error:.1%} (~18% expected)"
+            )
+    return lines
+
+
+def machine(device: str) -> str:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor() or "unknown",
+    )  # fmt: skip
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    gpu = f", GPU {torch.cuda.get_device_name()}" if device == "cuda" else ""
+    return (
+        f"{len(os.sched_getaffinity(0))} CPUs (nproc; {cpu}){gpu}, torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}; load average (1, 5, 15 min) "
+        f"at the end: {load}"
+    )
+
+
+def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repeats: int, png: str) -> str:
+    shape = f"({sizes['batch']}, {CHANNELS}, {sizes['size']}, {sizes['size']})"
+    lines = [
+        "# Backward modes: memory, time and gradient error vs depth",
+        "",
+        f"Stage: resnet50 `{STAGE}` (5 bottleneck blocks, random non-trivial weights, {sizes['dtype']})",
+        f"on a linear weight path refined to N knots, N steps; input {shape} on {sizes['device']}"
+        + (" (**--quick**: smaller batch than the full (8, 1024, 14, 14))" if quick else "")
+        + ". One training step per (N, mode),",
+        "each in a fresh process. 'saved' counts tensors packed for backward during the forward (once",
+        "per storage, parameters excluded); for torch.utils.checkpoint it is the N step inputs its",
+        "closures hold, which saved_tensors_hooks cannot see. 'peak RSS' is the process's peak resident",
+        "memory (VmHWM) during the step, 'RSS over setup' its growth over the resident memory after",
+        "loading the stage and building its step graphs. 'step s' is the median wall time of",
+        f"{repeats} step(s) after the measured one (the first step also pays one-time allocator and",
+        "kernel set-up); 'vs backprop' compares with backprop of the same integrator (Euler; reversible",
+        "Heun for 'reversible'), and so does 'grad rel. err' (all knot gradients, one vector).",
+        "",
+        "| " + " | ".join(headers(results)) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers(results)))) + "|",
+        *("| " + " | ".join(cells(r, results)) + " |" for r in results),
+        "",
+        "Targets:",
+        "",
+        *(f"- {line}" for line in targets(results)),
+        "",
+        NOTES,
+        "",
+        f"![saved bytes and step time vs steps]({png})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {machine(sizes['device'])}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, clock) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, mode in enumerate(dict.fromkeys(r.mode for r in results)):
+        rows = sorted((r for r in results if r.mode == mode), key=lambda r: r.steps)
+        steps = [r.steps for r in rows]
+        style = {"marker": "os^vDx+"[i % 7], "linestyle": "-" if i % 2 == 0 else "--", "label": mode}
+        mem.plot(steps, [r.saved / 2**20 for r in rows], **style)  # the flat modes overlap: markers differ
+        clock.plot(steps, [r.time for r in rows], **style)
+    for ax, label in ((mem, "saved for backward (MB)"), (clock, "forward + backward (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("steps (= knots)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    mem.legend(fontsize=8)
+    fig.suptitle(f"resnet50 {STAGE} as an ODE stage: one training step per backward mode")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=[8, 16, 32, 64], help="knots = steps")
+    parser.add_argument(
+        "--batch", type=int, help=f"batch size (default {FULL['batch']}, --quick {QUICK['batch']})"
+    )
+    parser.add_argument(
+        "--size", type=int, help="spatial size of the stage input (default 14: 224x224 images)"
+    )
+    parser.add_argument("--quick", action="store_true", help=f"smaller problem: batch {QUICK['batch']}")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="modes to run")
+    parser.add_argument("--repeats", type=int, default=1, help="timed steps after the measured one (median)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the step runs")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="stage precision")
+    parser.add_argument("--output", type=Path, default=RESULTS / "adjoint_memory.md", help="Markdown record")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--grads", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = dict(QUICK if args.quick else FULL)
+    sizes.update({k: v for k, v in (("batch", args.batch), ("size", args.size)) if v is not None})
+    sizes["device"], sizes["dtype"] = args.device, args.dtype
+    if args.child:
+        child(argparse.Namespace(**{**vars(args), **sizes}))
+        return 0
+    if any(n < 1 for n in args.steps) or args.repeats < 0:
+        parser.error("--steps must be positive and --repeats >= 0")
+    modes = [m for m in MODES if m in args.modes]
+    needed = {MODES[m][2] for m in modes} - set(modes)
+    if needed:
+        parser.error(f"the gradient references {sorted(needed)} must be among --modes")
+
+    start = time.perf_counter()
+    results = run_all(sorted(args.steps), modes, sizes, args.repeats)
+    table = Table(title=f"backward modes on resnet50 {STAGE}", caption="; ".join(targets(results)))
+    for i, header in enumerate(headers(results)):
+        table.add_column(header, justify="left" if i < 2 else "right")
+    for r in results:
+        table.add_row(*cells(r, results))
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+    command = "python benchmarks/adjoint_memory.py" + "".join(
+        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])
+    )
+    png = args.output.with_suffix(".png")
+    text = markdown(results, command, sizes, args.quick, args.repeats, png.name)
+    atomic_write_bytes(args.output, text.encode())
+    plot(results, png)
+    print(f"wrote {args.output} and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Benchmark: how the gradient error of backward='reverse' falls with the number of steps.
+
+``reverse`` rebuilds each step's start by stepping the explicit tableau backward (Sander et al.
+2022), so its gradient is approximate; the error should fall like 1/N for Euler and 1/N^2 for
+Heun on a field that is smooth in depth. Two stages of the shipped digits ResNet (stage 1: 4
+blocks, 16 channels at 8x8), fp64 so that round-off does not hide the truncation error, on the
+stage's real input (the stem's output on digits test images):
+
+- smooth: the blocks' weights on a C2 cubic spline through them (basis='cubic', native knots);
+- native: the trained blocks as they are (basis='constant', one knot per block), the
+  "pretrained" case: weights jump from block to block.
+
+For each N the reference is backprop through the same integrator and steps. Errors are measured
+with the fallback disabled (``stage.reverse_tolerance = inf``); 'fallback' says whether the
+default tolerance (odeify.adjoint.RECONSTRUCTION_TOLERANCE) would have made that backward pass
+fall back to exact checkpointing. Writes benchmarks/results/gradient_error.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import odeify
+from odeify.adjoint import RECONSTRUCTION_TOLERANCE
+from odeify.fileio import atomic_write_bytes
+from odeify.models import DEFAULT_MODEL_PATH, load_digits, load_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIELDS = {"smooth": "cubic", "native": "constant"}  # field: basis over the native knots
+INTEGRATORS = ("euler", "heun")
+EXPECTED = {"euler": 1, "heun": 2}
+
+
+@dataclass(frozen=True)
+class Row:
+    field: str
+    integrator: str
+    steps: int
+    knot_error: float
+    input_error: float
+    worst_reconstruction: float
+
+    @property
+    def falls_back(self) -> bool:
+        return self.worst_reconstruction > RECONSTRUCTION_TOLERANCE
+
+
+def stage_and_input(basis: str, batch: int) -> tuple[odeify.ODEStage, torch.Tensor]:
+    """The digits model's first stage read with ``basis``, and its input on ``batch`` test images."""
+    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).double(), backward="checkpoint")
+    gm = odeify.retarget(gm, basis=basis)
+    stage = odeify.converted_stages(gm)[0]
+    captured = []
+    handle = stage.register_forward_pre_hook(lambda _, args: captured.append(args[0]))
+    with torch.no_grad():
+        gm(load_digits("test", dtype=torch.float64)[0][:batch])
+    handle.remove()
+    return stage, captured[0]
+
+
+def grads(stage: odeify.ODEStage, mode: str, x: torch.Tensor, cotangent: torch.Tensor) -> list[torch.Tensor]:
+    stage.configure(backward=mode)
+    stage.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    (stage(x) * cotangent).sum().backward()
+    return [x.grad, *(k.grad for k in stage.knot_tensors())]
+
+
+def relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    diff = sum(float((g - w).square().sum()) for g, w in zip(got, want, strict=True))
+    return math.sqrt(diff / sum(float(w.square().sum()) for w in want))
+
+
+def measure(steps: list[int], batch: int) -> list[Row]:
+    rows = []
+    for field, basis in FIELDS.items():
+        stage, x = stage_and_input(basis, batch)
+        stage.reverse_tolerance = math.inf
+        cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+        for integrator in INTEGRATORS:
+            for n in steps:
+                stage.configure(integrator=integrator, steps=n)
+                ref = grads(stage, "backprop", x, cotangent)
+                got = grads(stage, "reverse", x, cotangent)
+                rows.append(
+                    Row(
+                        field=field,
+                        integrator=integrator,
+                        steps=n,
+                        knot_error=relative(got[1:], ref[1:]),
+                        input_error=relative(got[:1], ref[:1]),
+                        worst_reconstruction=max(stage.adjoint_stats.last_errors),
+                    )
+                )
+                print(f"  {field:6s} {integrator:5s} N={n:4d} {rows[-1].knot_error:.2e}", file=sys.stderr)
+    return rows
+
+
+def rate(rows: list[Row], last: int) -> float:
+    """Observed order p in error ~ N^-p: least-squares slope over the ``last`` largest N."""
+    points = [(math.log(r.steps), math.log(r.knot_error)) for r in rows[-last:] if r.knot_error > 0]
+    if len(points) < 2:
+        return math.nan
+    mx = sum(p[0] for p in points) / len(points)
+    my = sum(p[1] for p in points) / len(points)
+    slope = sum((a - mx) * (b - my) for a, b in points) / sum((a - mx) ** 2 for a, _ in points)
+    return -slope
+
+
+def summary(rows: list[Row], last: int) -> list[str]:
+    lines = []
+    for field in FIELDS:
+        for integrator in INTEGRATORS:
+            group = [r for r in rows if r.field == field and r.integrator == integrator]
+            failing = [r.steps for r in group if r.falls_back]
+            lines.append(
+                f"{field} field, {integrator}: error ~ N^-{rate(group, last):.2f} over the {last} largest N "
+                f"(expected N^-{EXPECTED[integrator]} on smooth fields); "
+                + (
+                    f"reconstruction past tolerance (would fall back) at N = {', '.join(map(str, failing))}"
+                    if failing
+                    else "no fallback at any N"
+                )
+            )
+    return lines
+
+
+HEADERS = (
+    "field",
+    "integrator",
+    "steps",
+    "knot grad rel. err",
+    "input grad rel. err",
+    "worst recon. err",
+    "fallback",
+)
+
+
+def cells(r: Row) -> tuple[str, ...]:
+    return (
+        r.field,
+        r.integrator,
+        str(r.steps),
+        f"{r.knot_error:.2e}",
+        f"{r.input_error:.2e}",
+        f"{r.worst_reconstruction:.1e}",
+        "yes" if r.falls_back else "no",
+    )
+
+
+def markdown(rows: list[Row], last: int, command: str, batch: int, seconds: float) -> str:
+    return "\n".join(
+        [
+            "# backward='reverse': gradient error vs steps",
+            "",
+            "Stage 1 of the shipped digits ResNet (4 BasicBlocks, 16 channels at 8x8), fp64, input = the",
+            f"stem's output on the first {batch} digits test images, loss <stage(x), a fixed random",
+            "cotangent>.",
+            "'smooth': the blocks' weights on a cubic spline (basis='cubic' at the native knots);",
+            "'native': the trained blocks as they are (basis='constant'), weights jumping block to block.",
+            "Errors are relative (2-norm over all knot gradients, or the input gradient) against backprop",
+            "through the same integrator and steps, measured with the fallback off; 'worst recon. err' is",
+            "the largest one-step reconstruction error of the pass, and 'fallback' says whether it exceeds",
+            f"the default tolerance ({RECONSTRUCTION_TOLERANCE:g}): whether odeify would have redone that",
+            "pass exactly with checkpointing.",
+            "",
+            "| " + " | ".join(HEADERS) + " |",
+            "|" + "|".join("---" if i < 2 else "---:" for i in range(len(HEADERS))) + "|",
+            *("| " + " | ".join(cells(r)) + " |" for r in rows),
+            "",
+            "Observed rates (least-squares slope of log error vs log N):",
+            "",
+            *(f"- {line}" for line in summary(rows, last)),
+            "",
+            f"Command: `{command}` ({seconds:.0f} s)",
+            "",
+            f"Machine: {machine()}.",
+            "",
+        ]
+    )
+
+
+def machine() -> str:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor() or "unknown",
+    )  # fmt: skip
+    return (
+        f"{len(os.sched_getaffinity(0))} CPUs (nproc; {cpu}), torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128], help="steps N")
+    parser.add_argument("--batch", type=int, default=32, help="digits test images")
+    parser.add_argument("--fit", type=int, default=3, help="fit the rate over this many largest N")
+    parser.add_argument("--output", type=Path, default=RESULTS / "gradient_error.md", help="Markdown record")
+    args = parser.parse_args(argv)
+    if any(n < 1 for n in args.steps) or args.fit < 2 or args.batch < 1:
+        parser.error("--steps must be positive, --fit >= 2, --batch >= 1")
+
+    start = time.perf_counter()
+    rows = measure(sorted(args.steps), args.batch)
+    seconds = time.perf_counter() - start
+    table = Table(
+        title="backward='reverse': gradient error vs steps", caption="\n".join(summary(rows, args.fit))
+    )
+    for i, header in enumerate(HEADERS):
+        table.add_column(header, justify="left" if i < 2 else "right")
+    for row in rows:
+        table.add_row(*cells(row))
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+
+    command = "python benchmarks/gradient_error.py" + "".join(
+        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])
+    )
+    atomic_write_bytes(args.output, markdown(rows, args.fit, command, args.batch, seconds).encode())
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

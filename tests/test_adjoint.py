@@ -1,0 +1,375 @@
+"""Memory-saving backward modes (odeify.adjoint) against autograd through the unrolled stage."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from timm.layers import DropPath
+from torch import nn
+
+import odeify
+from odeify import adjoint
+from odeify.errors import ConfigError
+from odeify.models import DEFAULT_MODEL_PATH, load_model
+
+TOL = {  # relative gradient error allowed vs backprop: (checkpoint, reversible)
+    torch.float64: (1e-12, 1e-10),
+    torch.float32: (1e-6, 1e-5),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: a second OpenMP thread only spins (and stalls on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def grads_of(module: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> dict[str, torch.Tensor]:
+    """d<module(x), cotangent>/d(x, every parameter)."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    (module(x) * cotangent).sum().backward()
+    return {"x": x.grad, **{n: p.grad for n, p in module.named_parameters() if p.grad is not None}}
+
+
+def stage_grads(stage: odeify.ODEStage, mode: str, x: torch.Tensor, cotangent: torch.Tensor) -> dict:
+    stage.configure(backward=mode)
+    return grads_of(stage, x, cotangent)
+
+
+def assert_close(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert rel(got[name], want[name]) <= tol, (name, rel(got[name], want[name]))
+
+
+def digits_stage(index: int, dtype: torch.dtype, *retargets: dict, **retarget) -> odeify.ODEStage:
+    """A stage of the shipped digits model (16 ch at 8x8, 32 ch at 4x4), retargeted in turn."""
+    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).to(dtype))
+    for settings in (*retargets, retarget):
+        gm = odeify.retarget(gm, **settings) if settings else gm
+    return odeify.converted_stages(gm)[index]
+
+
+def stage_input(stage: odeify.ODEStage, batch: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    channels = stage.knot_tensors()[0].shape[1]
+    size = 8 if channels == 16 else 4
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, channels, size, size, generator=g, dtype=dtype).relu()
+
+
+@pytest.fixture(scope="module")
+def resnet18() -> dict[torch.dtype, torch.fx.GraphModule]:
+    return {
+        dtype: odeify.convert(odeify.make_test_model("resnet18", dtype=dtype), input_size=(1, 3, 32, 32))
+        for dtype in (torch.float64, torch.float32)
+    }
+
+
+# -- exactness: whole converted models ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_checkpoint_and_reversible_match_backprop_on_resnet18(resnet18, dtype) -> None:
+    x = torch.randn(2, 3, 32, 32, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    cot = torch.randn(2, 1000, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    check_tol, rev_tol = TOL[dtype]
+    ref = grads_of(resnet18[dtype], x, cot)
+    assert_close(grads_of(odeify.set_backward(resnet18[dtype], "checkpoint"), x, cot), ref, check_tol)
+
+    heun = odeify.retarget(resnet18[dtype], integrator="reversible_heun")
+    ref = grads_of(heun, x, cot)
+    reversible = odeify.set_backward(heun, "reversible")
+    assert all(s.backward == "reversible" for s in odeify.converted_stages(reversible))
+    assert_close(grads_of(reversible, x, cot), ref, rev_tol)
+    assert all(s.adjoint_stats.backward_passes == 1 for s in odeify.converted_stages(reversible))
+
+
+# -- exactness: deep synthetic stages ------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dtype", "knots", "steps", "every"),
+    [
+        (torch.float64, 64, 64, 1),
+        (torch.float64, 64, 64, 5),
+        (torch.float32, 64, 64, 1),
+        (torch.float64, 32, 256, 16),
+        (torch.float32, 32, 256, 1),
+    ],
+)
+def test_deep_stages_match_backprop(dtype, knots, steps, every) -> None:
+    check_tol, rev_tol = TOL[dtype]
+    stage = digits_stage(0, dtype, knots=knots, steps=steps, basis="linear")
+    x = stage_input(stage, 2, dtype)
+    cot = torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    ref = stage_grads(stage, "backprop", x, cot)
+    stage.configure(checkpoint_every=every)
+    assert_close(stage_grads(stage, "checkpoint", x, cot), ref, check_tol)
+
+    stage.configure(integrator="reversible_heun")
+    ref = stage_grads(stage, "backprop", x, cot)
+    assert_close(stage_grads(stage, "reversible", x, cot), ref, rev_tol)
+    stats = stage.adjoint_stats
+    assert len(stats.last_errors) == steps and stats.worst_error < 100 * torch.finfo(dtype).eps
+
+
+# -- reverse: approximate, within what it reports ------------------------------------------------
+@pytest.mark.parametrize("integrator", ["euler", "heun"])
+def test_reverse_error_is_bounded_by_its_reconstruction_error(integrator) -> None:
+    """On a smooth stage, grad error <= 10 * sum of the per-step reconstruction errors.
+
+    The rebuilt state x'_n differs from x_n by at most the accumulated one-step errors (each
+    amplified by the backward step's Lipschitz constant, near 1 at small h), and the gradient is
+    first-order in the state error; 10 covers both constants with margin (the ratio measured
+    <= 4.2 on both digits stages, Euler and Heun, 16 to 128 steps).
+    """
+    smooth = {"basis": "cubic"}  # the blocks' weights on a C2 path, then sampled at 64 knots
+    stage = digits_stage(1, torch.float64, smooth, knots=64, steps=64, integrator=integrator)
+    x = stage_input(stage, 4, torch.float64)
+    cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = stage_grads(stage, "backprop", x, cot)
+    got = stage_grads(stage, "reverse", x, cot)
+    stats = stage.adjoint_stats
+    assert stats.fallbacks == 0 and len(stats.last_errors) == 64
+    bound = 10 * sum(stats.last_errors)
+    errors = {name: rel(got[name], ref[name]) for name in ref}
+    assert 0 < max(errors.values()) <= bound, (errors, bound)
+    assert max(stats.last_errors) == stats.worst_error < adjoint.RECONSTRUCTION_TOLERANCE
+
+
+def test_reverse_falls_back_to_exact_checkpointing_and_warns_once(resnet18) -> None:
+    """Native-depth Euler on a ReLU ResNet cannot be stepped backward: the fallback takes over."""
+    gm = odeify.set_backward(resnet18[torch.float64], "reverse")
+    ref_gm = odeify.set_backward(resnet18[torch.float64], "checkpoint")
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cot = torch.randn(2, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(RuntimeWarning, match="could not rebuild its states") as caught:
+        got = grads_of(gm, x, cot)
+    stages = odeify.converted_stages(gm)
+    deep = [s for s in stages if s.steps > 1]
+    assert deep and len(caught) == len(deep)  # one warning per stage that has a step to rebuild
+    assert all(s.stage_name in str(w.message) for s, w in zip(deep, caught, strict=True))
+    assert_close(got, grads_of(ref_gm, x, cot), 1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        grads_of(gm, x, cot)
+    assert all(s.adjoint_stats.fallbacks == 2 and s.adjoint_stats.backward_passes == 2 for s in deep)
+    assert all(s.adjoint_stats.worst_error > adjoint.RECONSTRUCTION_TOLERANCE for s in deep)
+
+
+def test_reverse_tolerance_can_be_set_per_stage() -> None:
+    stage = digits_stage(0, torch.float64, knots=8, steps=8, basis="linear", backward="reverse")
+    stage.reverse_tolerance = math.inf
+    x = stage_input(stage, 2, torch.float64)
+    grads_of(stage, x, torch.ones_like(x))
+    assert stage.adjoint_stats.fallbacks == 0 and stage.adjoint_stats.worst_error > 1e-3
+
+
+# -- randomness ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drop_path_model(test_model) -> torch.fx.GraphModule:
+    """resnet18 with stochastic depth, in train mode; layer1's second block has a DropPath.
+
+    Every nonzero drop rate is raised to 0.5 so that any two seeds draw different masks.
+    """
+    model = test_model("resnet18", dtype=torch.float64, drop_path_rate=0.2)
+    gm = odeify.convert(model, input_size=(1, 3, 32, 32), steps=3.0).train()
+    assert len(odeify.converted_stages(gm)[0].variants) == 1
+    for module in gm.modules():
+        if isinstance(module, DropPath) and module.drop_prob > 0:
+            module.drop_prob = 0.5
+    return gm
+
+
+def seeded(fn, seed: int = 123):
+    """fn() after seeding, and the next draws of the global stream after it."""
+    torch.manual_seed(seed)
+    return fn(), torch.rand(3)
+
+
+def test_drop_path_is_replayed_by_checkpoint(drop_path_model) -> None:
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cot = torch.randn(4, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    memory_free = odeify.set_backward(drop_path_model, "checkpoint")
+    for stage in odeify.converted_stages(memory_free):
+        stage.configure(checkpoint_every=2)  # steps between checkpoints are re-run in backward too
+    ref, after_ref = seeded(lambda: grads_of(drop_path_model, x, cot))
+    got, after = seeded(lambda: grads_of(memory_free, x, cot))
+    assert_close(got, ref, 1e-12)
+    assert torch.equal(after, after_ref)  # the global stream continues as after backprop
+    other, _ = seeded(lambda: grads_of(memory_free, x, cot), seed=7)
+    assert rel(other["x"], ref["x"]) > 1e-3  # other masks, other gradient: not vacuous
+
+
+def test_drop_path_is_replayed_by_reversible_heun_inverse(drop_path_model) -> None:
+    """Stage level: the reference is the stage's own eager backprop.
+
+    (The lowered graph reuses one field evaluation across two steps, so it draws fewer masks.)
+    The input has no exact zeros: where a dropped branch leaves relu(z) on an exact zero of z,
+    the rebuilt z is off the kink by round-off and may take the other subgradient.
+    """
+    stage = copy.deepcopy(odeify.converted_stages(drop_path_model)[0])
+    stage.configure(integrator="reversible_heun")
+    x = torch.randn(4, 64, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref, after_ref = seeded(lambda: stage_grads(stage, "backprop", x, cot))
+    got, after = seeded(lambda: stage_grads(stage, "reversible", x, cot))
+    assert_close(got, ref, 1e-10)
+    assert torch.equal(after, after_ref)
+    other, _ = seeded(lambda: stage_grads(stage, "reversible", x, cot), seed=7)
+    assert rel(other["x"], ref["x"]) > 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_replays_drop_path_and_keeps_the_cuda_stream(drop_path_model) -> None:
+    """On a GPU the masks come from the CUDA generator: it is replayed and restored like the CPU one."""
+    stage = copy.deepcopy(odeify.converted_stages(drop_path_model)[0]).cuda()
+    x = torch.randn(4, 64, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).cuda()
+    cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).cuda()
+
+    def run(mode: str) -> tuple[dict, torch.Tensor]:
+        torch.cuda.manual_seed(123)
+        return stage_grads(stage, mode, x, cot), torch.rand(3, device="cuda")
+
+    for integrator, mode in [("euler", "checkpoint"), ("reversible_heun", "reversible")]:
+        stage.configure(integrator=integrator, checkpoint_every=2)
+        ref, after_ref = run("backprop")
+        got, after = run(mode)
+        assert_close(got, ref, 1e-10)
+        assert torch.equal(after, after_ref)
+        torch.cuda.manual_seed(7)
+        assert rel(stage_grads(stage, mode, x, cot)["x"], ref["x"]) > 1e-3
+
+
+# -- inputs, outputs and parameters --------------------------------------------------------------
+def test_output_requires_grad_from_knots_alone_and_frozen_knots_get_none() -> None:
+    stage = digits_stage(0, torch.float64, backward="checkpoint")
+    x = stage_input(stage, 2, torch.float64)
+    y = stage(x)
+    assert y.requires_grad
+    y.sum().backward()
+    assert all(k.grad is not None for k in stage.knot_tensors())
+
+    stage.zero_grad(set_to_none=True)
+    stage.requires_grad_(False)
+    xg = x.clone().requires_grad_()
+    stage(xg).sum().backward()
+    assert xg.grad is not None and all(k.grad is None for k in stage.knot_tensors())
+    assert not stage(x).requires_grad
+
+
+def test_trainable_template_parameters_get_gradients() -> None:
+    """A user's stage may hold parameters outside its knots (here a PReLU): they train too."""
+    stage = digits_stage(0, torch.float64, knots=8, steps=8, basis="linear")
+    stage.template.act1 = nn.PReLU(16, init=0.1).double()
+    stage.configure()  # drop cached step graphs
+    x = stage_input(stage, 2, torch.float64)
+    cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = stage_grads(stage, "backprop", x, cot)
+    assert "template.act1.weight" in ref
+    assert_close(stage_grads(stage, "checkpoint", x, cot), ref, 1e-12)
+
+
+@pytest.mark.parametrize(("mode", "tol"), [("checkpoint", 1e-6), ("reversible", 5e-2)])
+def test_mixed_precision_is_replayed(mode, tol) -> None:
+    """Re-runs in backward see the forward's autocast state, as autograd through the graph does.
+
+    Reversible Heun inverts exactly only in the arithmetic its field runs in: with bf16 fields a
+    state's fp32 round-off can flip a bf16 rounding, and the rebuilt states drift (~1e-4 here,
+    unseen by the one-step check), so its gradients agree to bf16 accuracy, not fp32.
+    """
+    integrator = "reversible_heun" if mode == "reversible" else "euler"
+    stage = digits_stage(0, torch.float32, knots=8, steps=8, basis="linear", integrator=integrator)
+    x = stage_input(stage, 2, torch.float32)
+    cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+
+    def grads(mode: str) -> dict:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return stage_grads(stage, mode, x, cot)
+
+    ref = grads("backprop")
+    assert rel(ref["x"], stage_grads(stage, "backprop", x, cot)["x"]) > 1e-4  # bf16 does differ
+    assert_close(grads(mode), ref, tol)
+
+
+def test_saved_memory_is_flat_in_depth() -> None:
+    """Bytes saved for backward (parameters excluded): constant for reverse/reversible."""
+
+    def saved_bytes(stage: odeify.ODEStage, mode: str) -> int:
+        params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen.setdefault(ptr, t.numel() * t.element_size())
+            return t
+
+        stage.configure(backward=mode)
+        stage.reverse_tolerance = math.inf  # measure the memory of the pass that stays memory-free
+        x = stage_input(stage, 2, torch.float32)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = stage(x)
+        y.sum().backward()
+        return sum(seen.values())
+
+    state = stage_input(digits_stage(0, torch.float32), 2, torch.float32)
+    state_bytes = state.numel() * state.element_size()
+    for integrator, mode, states in [("euler", "reverse", 2), ("reversible_heun", "reversible", 2)]:
+        sizes = [
+            saved_bytes(digits_stage(0, torch.float32, knots=n, steps=n, integrator=integrator), mode)
+            for n in (8, 32)
+        ]
+        assert sizes == [states * state_bytes] * 2, (mode, sizes)
+    stage = digits_stage(0, torch.float32, knots=8, steps=32)
+    assert saved_bytes(stage, "checkpoint") == 32 * state_bytes
+    stage.configure(checkpoint_every=8)
+    assert saved_bytes(stage, "checkpoint") == 4 * state_bytes
+    assert saved_bytes(stage, "backprop") >= 32 * 3 * state_bytes  # conv/relu inputs per step
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_reversible_needs_reversible_heun(resnet18) -> None:
+    with pytest.raises(ConfigError, match="reversible_heun"):
+        odeify.set_backward(resnet18[torch.float32], "reversible")
+    model = load_model(DEFAULT_MODEL_PATH)
+    with pytest.raises(ConfigError, match="reversible_heun"):
+        odeify.convert(model, backward="reversible")
+    with pytest.raises(ConfigError, match="reversible"):
+        odeify.convert(model, integrator="reversible_heun", backward="reverse")
+
+
+def test_unknown_backward_mode(resnet18) -> None:
+    with pytest.raises(ConfigError, match="unknown backward mode 'adjoint'"):
+        odeify.set_backward(resnet18[torch.float32], "adjoint")
+    stage = digits_stage(0, torch.float32)
+    stage.backward = "adjoint"  # bypassing configure's validation still fails clearly
+    with pytest.raises(ConfigError, match="'adjoint'"):
+        adjoint.integrate_with_adjoint(stage, stage_input(stage, 1, torch.float32))
+
+
+@pytest.mark.parametrize("every", [0, -1, 1.5, True, "2"])
+def test_checkpoint_every_is_validated(every) -> None:
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        digits_stage(0, torch.float32).configure(checkpoint_every=every)
+
+
+def test_train_mode_batchnorm_is_refused() -> None:
+    stage = digits_stage(0, torch.float32, backward="checkpoint")
+    stage.template.act1 = nn.Sequential(nn.BatchNorm2d(16), nn.ReLU())
+    stage.configure()
+    x = stage_input(stage, 2, torch.float32)
+    with pytest.raises(ConfigError, match=r"BatchNorm 'template\.act1\.0'.*\.eval\(\)"):
+        stage(x)
+    stage.template.act1.eval()
+    before = copy.deepcopy(stage.template.act1[0].state_dict())
+    stage(x).sum().backward()  # frozen BN is fine, and its statistics stay as they were
+    assert all(torch.equal(v, before[k]) for k, v in stage.template.act1[0].state_dict().items())
