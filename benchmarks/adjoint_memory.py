@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -37,6 +35,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
+from machine import describe_machine
 from rich.console import Console
 from rich.table import Table
 
@@ -326,21 +325,6 @@ def targets(results: list[Result]) -> list[str]:
     return lines
 
 
-def machine(device: str) -> str:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor() or "unknown",
-    )  # fmt: skip
-    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    gpu = f", GPU {torch.cuda.get_device_name()}" if device == "cuda" else ""
-    return (
-        f"{len(os.sched_getaffinity(0))} CPUs (nproc; {cpu}){gpu}, torch {torch.__version__} with "
-        f"{torch.get_num_threads()} threads, Python {platform.python_version()}; load average (1, 5, 15 min) "
-        f"at the end: {load}"
-    )
-
-
 def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repeats: int, png: str) -> str:
     shape = f"({sizes['batch']}, {CHANNELS}, {sizes['size']}, {sizes['size']})"
     lines = [
@@ -373,7 +357,7 @@ def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repe
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {machine(sizes['device'])}.",
+        f"Machine: {describe_machine(sizes['device'])}.",
         "",
     ]
     return "\n".join(lines)

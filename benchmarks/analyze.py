@@ -8,8 +8,6 @@ Writes a rich table to the terminal and a Markdown record to benchmarks/results/
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -19,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from machine import machine_info
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -83,26 +82,6 @@ def measure(name: str, repeats: int, progress: tqdm) -> Row:
         analyze_cpu=statistics.median(cpu for _, cpu in analyze_times),
         forward_median=statistics.median(forward_times),
     )
-
-
-def machine() -> dict[str, str]:
-    """nproc, CPU model, torch version and threads, for the record."""
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        cpu = platform.processor() or "unknown"
-    return {
-        "nproc": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
-        "cpu": cpu,
-        "torch": torch.__version__,
-        "threads": str(torch.get_num_threads()),
-        "python": platform.python_version(),
-        "load": " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
-    }
 
 
 HEADERS = ("model", "blocks", "runs", "analyze 1st", "analyze", "analyze CPU", "forward", "analyze/forward")
@@ -185,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=None if sys.stdout.isatty() else 120).print(table)
 
     command = "python benchmarks/analyze.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
-    atomic_write_bytes(args.output, markdown(rows, command, machine(), args.repeats).encode())
+    atomic_write_bytes(args.output, markdown(rows, command, machine_info(), args.repeats).encode())
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from machine import machine_info
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -90,26 +90,6 @@ class Row:
     deviation: float  # max |out - timm| / max |timm|
     median: float  # seconds
     ratio: float  # median of per-round ratios to the original
-
-
-def machine() -> dict[str, str]:
-    """nproc, CPU model, torch version and threads, for the record."""
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        cpu = platform.processor() or "unknown"
-    return {
-        "nproc": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
-        "cpu": cpu,
-        "torch": torch.__version__,
-        "threads": str(torch.get_num_threads()),
-        "python": platform.python_version(),
-        "load": " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
-    }
 
 
 def timed(module: nn.Module, x: torch.Tensor) -> float:
@@ -239,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"timm median: {original:.3f} s; native ratio: {rows[0].ratio:.2f}x")
 
     command = "python benchmarks/forward.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
-    atomic_write_bytes(args.output, markdown(rows, original, args, command, machine()).encode())
+    atomic_write_bytes(args.output, markdown(rows, original, args, command, machine_info()).encode())
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import shlex
 import sys
 import time
@@ -29,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from machine import describe_machine
 from rich.console import Console
 from rich.table import Table
 
@@ -186,21 +185,9 @@ def markdown(rows: list[Row], last: int, command: str, batch: int, seconds: floa
             "",
             f"Command: `{command}` ({seconds:.0f} s)",
             "",
-            f"Machine: {machine()}.",
+            f"Machine: {describe_machine(with_load=False)}.",
             "",
         ]
-    )
-
-
-def machine() -> str:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor() or "unknown",
-    )  # fmt: skip
-    return (
-        f"{len(os.sched_getaffinity(0))} CPUs (nproc; {cpu}), torch {torch.__version__} with "
-        f"{torch.get_num_threads()} threads, Python {platform.python_version()}"
     )
 
 

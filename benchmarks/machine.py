@@ -1,0 +1,39 @@
+"""The machine a benchmark ran on, for its results file: one place for all benchmark scripts."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def machine_info() -> dict[str, str]:
+    """nproc, CPU model, torch version and threads, Python version and the load average."""
+    cpu = platform.processor() or "unknown"
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        cpu = models[0] if models else cpu
+    except OSError:
+        pass
+    return {
+        "nproc": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "load": " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
+    }
+
+
+def describe_machine(device: str = "cpu", with_load: bool = True) -> str:
+    """One sentence: CPUs (and GPU when ``device`` is cuda), torch, threads, Python, load."""
+    info = machine_info()
+    gpu = f", GPU {torch.cuda.get_device_name()}" if device == "cuda" else ""
+    text = (
+        f"{info['nproc']} CPUs (nproc; {info['cpu']}){gpu}, torch {info['torch']} with "
+        f"{info['threads']} threads, Python {info['python']}"
+    )
+    return f"{text}; load average (1, 5, 15 min) at the end: {info['load']}" if with_load else text
