@@ -94,6 +94,27 @@ def test_checkpoint_and_reversible_match_backprop_on_resnet18(resnet18, dtype) -
     assert all(s.adjoint_stats.backward_passes == 1 for s in odeify.converted_stages(reversible))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_resnet50_layer3_stage_matches_backprop(dtype) -> None:
+    """The 5-block bottleneck stage of resnet50, run alone at its native input shape (small spatially)."""
+    gm = odeify.convert(odeify.make_test_model("resnet50", dtype=dtype), input_size=(1, 3, 64, 64))
+    stage = next(s for s in odeify.converted_stages(gm) if s.stage_name == "layer3")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1024, 4, 4, generator=g, dtype=dtype).relu()
+    cot = torch.randn(2, 1024, 4, 4, generator=g, dtype=dtype)
+    check_tol, rev_tol = TOL[dtype]
+    ref = stage_grads(stage, "backprop", x, cot)
+    assert_close(stage_grads(stage, "checkpoint", x, cot), ref, check_tol)
+    if dtype == torch.float32:
+        pytest.xfail(
+            "known limit: reversible Heun's fp32 inverse drifts ~3x per step on this random-weight "
+            "stage (2e-2 gradient error) although fp32 backprop is within 7e-7 of fp64"
+        )
+    stage.configure(integrator="reversible_heun", steps=10, backward="backprop")
+    ref = stage_grads(stage, "backprop", x, cot)
+    assert_close(stage_grads(stage, "reversible", x, cot), ref, rev_tol)
+
+
 # -- exactness: deep synthetic stages ------------------------------------------------------------
 @pytest.mark.parametrize(
     ("dtype", "knots", "steps", "every"),
