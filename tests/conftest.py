@@ -12,6 +12,18 @@ from torch import nn
 from odeify.models import make_test_model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: one torch thread is as fast, and immune to oversubscription on a shared machine.
+
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def test_model() -> Callable[..., nn.Module]:
     """``test_model(name, dtype=..., **timm_kwargs)``: a fresh copy of a cached ``make_test_model``."""

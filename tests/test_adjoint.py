@@ -22,13 +22,7 @@ TOL = {  # relative gradient error allowed vs backprop: (checkpoint, reversible)
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: a second OpenMP thread only spins (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -66,13 +66,7 @@ ZOO = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one thread is as fast and immune to the oversubscription of a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -45,13 +45,7 @@ ORDER_STEPS = {
 REFERENCE_STEPS = 512
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster and immune to the oversubscription of a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def stage_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

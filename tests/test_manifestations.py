@@ -28,13 +28,7 @@ COARSE = 8  # knots of the compressed layer3
 COARSE_BLOCKS = [0, 5, 10, 15, 20, 25, 30, 34]  # blocks whose weights serve as the coarse knots
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small inputs: one thread is as fast and immune to the oversubscription of a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
