@@ -207,22 +207,22 @@ def _may_draw_random(module: nn.Module) -> bool:
     return bool(getattr(module, "drop_prob", 0))
 
 
+def _positive_int(value: object, what: str, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what} must be a positive integer ({meaning}); got {value!r}.")
+    return value
+
+
 def validate_steps(steps: object, stage: str) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(
-            f"steps for stage '{stage}' must be a positive integer (or 'native' for the original depth); "
-            f"got {steps!r}."
-        )
-    return steps
+    return _positive_int(steps, f"steps for stage '{stage}'", "or 'native' for the original depth")
 
 
 def validate_checkpoint_every(every: object, stage: str) -> int:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ConfigError(
-            f"checkpoint_every for stage '{stage}' must be a positive integer (1 keeps every step's "
-            f"state, k keeps every k-th and recomputes the rest); got {every!r}."
-        )
-    return every
+    return _positive_int(
+        every,
+        f"checkpoint_every for stage '{stage}'",
+        "1 keeps every step's state, k keeps every k-th and recomputes the rest",
+    )
 
 
 def validate_backward(mode: object, integrator: Integrator) -> BackwardMode:

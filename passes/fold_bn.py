@@ -45,6 +45,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         _replace_submodule(gm, node.target, remainder)
         with gm.graph.inserting_before(node):
             out = producer
+            steps: list[fx.Node] = []  # the data nodes that replace the BN, all of its shape
             if not folded_into_conv:
                 view = (-1,) + (1,) * (len(node.meta["tensor_meta"].shape) - 2)
                 remainder.register_parameter("scale", nn.Parameter(scale.reshape(view)))
@@ -52,14 +53,13 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
                 s = gm.graph.get_attr(f"{node.target}.scale")
                 b = gm.graph.get_attr(f"{node.target}.shift")
                 out = gm.graph.call_function(torch.addcmul, (b, out, s))
+                steps.append(out)
             for part in ("drop", "act"):
                 if not isinstance(getattr(remainder, part), nn.Identity):
                     out = gm.graph.call_module(f"{node.target}.{part}", (out,))
-        if out is not producer:
-            out.meta["tensor_meta"] = node.meta.get("tensor_meta")
-            for inp in out.all_input_nodes:  # the affine and drop nodes between producer and out
-                if inp is not producer and inp.op != "get_attr":
-                    inp.meta["tensor_meta"] = node.meta.get("tensor_meta")
+                    steps.append(out)
+        for step in steps:
+            step.meta["tensor_meta"] = node.meta.get("tensor_meta")
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     gm.graph.lint()
