@@ -1,5 +1,7 @@
 """odeify: compile trained residual networks into continuous-in-depth ODE models.
 
+Usage::
+
     import odeify
     plan = odeify.analyze("resnet50")                # residual blocks and runs
     ode = odeify.convert("resnet50", pretrained=True)  # exact at native depth

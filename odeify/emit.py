@@ -25,16 +25,33 @@ class StageWriter:
     """Emits nodes for one stage into ``graph``.
 
     ``prefix`` is the stage's attribute path as seen from the graph's owner module ("" when the
-    owner is the stage itself). ``knot_inputs`` maps slot names to nodes holding the stacked knots
-    (get_attr nodes in a model graph, placeholders in a step graph).
+    owner is the stage itself). ``knot_inputs`` maps slot names to nodes holding the stacked knots:
+    placeholders in a step graph; by default get_attr nodes of the stage's own stacks, emitted at
+    the graph's insertion point. ``window`` says which knots those stacks hold (all unless given).
+    ``used_knots`` collects the knots read.
     """
 
-    def __init__(self, stage: ODEStage, graph: fx.Graph, prefix: str, knot_inputs: dict[str, fx.Node]):
+    def __init__(
+        self,
+        stage: ODEStage,
+        graph: fx.Graph,
+        prefix: str,
+        knot_inputs: dict[str, fx.Node] | None = None,
+        window: slice | None = None,
+    ):
         self.stage = stage
         self.graph = graph
         self.prefix = f"{prefix}." if prefix else ""
-        self.knot_inputs = knot_inputs
         self.tag = stage.stage_name.replace(".", "_")
+        self.window = window or slice(0, stage.num_knots)
+        self.used_knots: set[int] = set()
+        if knot_inputs is None:
+            knot_inputs = {
+                slot.name: self.attr(stage.slot_attr(slot), f"{self.tag}_{slot.name}")
+                for slot in stage.slots
+                if slot.kind != "shared"
+            }
+        self.knot_inputs = knot_inputs
         self._weights: dict[tuple, list[fx.Node]] = {}
         self._fields: dict[tuple, fx.Node] = {}
         self._knots: dict[tuple[str, int], fx.Node] = {}
@@ -65,12 +82,16 @@ class StageWriter:
             return self.attr(self.stage.slot_attr(slot), slot.name)
         stack = self.knot_inputs[slot.name]
         nonzero = [(k, c) for k, c in enumerate(row) if c != 0]
+        self.used_knots.update(k for k, _ in nonzero)
         if len(nonzero) == 1 and nonzero[0][1] == 1:
             return self._knot(slot, nonzero[0][0])
         label = f"{self.tag}_{slot.name}_mix"
         if len(nonzero) > DENSE_MIX_ABOVE:
             mix = self.attr("mix", "mix")
-            coeffs = self.node("call_function", operator.getitem, (mix, self.stage.mix_index(row)))
+            index = self.stage.mix_index(row)
+            if self.window != slice(0, self.stage.num_knots):
+                index = (index, self.window)
+            coeffs = self.node("call_function", operator.getitem, (mix, index))
             return self.node("call_function", torch.tensordot, (coeffs, stack), {"dims": 1}, name=label)
         total = None
         for k, c in nonzero:
@@ -94,7 +115,10 @@ class StageWriter:
                 self._unbound[slot.name] = self.node("call_function", torch.unbind, (stack,), name=name)
             name = f"{self.tag}_{slot.name}_k{k}"
             self._knots[key] = self.node(
-                "call_function", operator.getitem, (self._unbound[slot.name], k), name=name
+                "call_function",
+                operator.getitem,
+                (self._unbound[slot.name], k - self.window.start),
+                name=name,
             )
         return self._knots[key]
 
@@ -188,18 +212,6 @@ def reversible_heun_step(w: StageWriter, n: int, y: fx.Node, z: fx.Node) -> tupl
     return y_next, z_next
 
 
-def reversible_heun_inverse(w: StageWriter, n: int, y1: fx.Node, z1: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """The closed-form inverse of :func:`reversible_heun_step` (state at step n+1 -> step n)."""
-    h = Fraction(1, w.stage.steps)
-    t0, t1 = n * h, (n + 1) * h
-    f1 = w.field(t1, True, z1, f"s{n}_2")
-    two_y = w.node("call_function", operator.mul, (y1, 2.0))
-    z0 = w.axpy(w.node("call_function", operator.sub, (two_y, z1)), [(-h, f1)], name=f"{w.tag}_z{n}")
-    f0 = w.field(t0, False, z0, f"s{n}_1")
-    y0 = w.axpy(y1, [(-h / 2, f0), (-h / 2, f1)], name=f"{w.tag}_y{n}")
-    return y0, z0
-
-
 def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
     """The whole stage, unrolled: returns the node holding x(1)."""
     integrator = w.stage.integrator
@@ -213,44 +225,79 @@ def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
     return x
 
 
-def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
-    """A graph module ``(state..., knots...) -> state`` for step ``n``.
-
-    ``forward`` steps from n to n+1; ``reverse`` approximately rebuilds step n's start from its
-    end by stepping backward (explicit tableaus); ``inverse`` is reversible Heun's exact inverse.
-    """
+def build_unrolled_graph(stage: ODEStage) -> fx.GraphModule:
+    """A graph module ``x -> x(1)``: the whole stage unrolled as lowering inlines it (for backprop)."""
     graph = fx.Graph()
-    reversible = isinstance(stage.integrator, ReversibleHeun)
-    state = [graph.placeholder("y"), graph.placeholder("z")] if reversible else [graph.placeholder("x")]
-    knot_slots = [s for s in stage.slots if s.kind != "shared"]
-    inputs = {s.name: graph.placeholder(s.name) for s in knot_slots}
-    w = StageWriter(stage, graph, "", inputs)
-    if reversible:
-        step = reversible_heun_step if kind == "forward" else reversible_heun_inverse
-        out = step(w, n, *state)
-    else:
-        out = (rk_step(w, stage.integrator, n, state[0], direction=1 if kind == "forward" else -1),)
-    graph.output(tuple(out))
-    gm = fx.GraphModule(stage, graph, f"{stage.stage_name.replace('.', '_')}_{kind}_step{n}")
-    gm.evaluations = w.evaluations
+    x = graph.placeholder("x")
+    writer = StageWriter(stage, graph, "")
+    graph.output(write_stage(writer, x))
+    gm = fx.GraphModule(stage, graph, f"{writer.tag}_unrolled")
+    gm.evaluations = writer.evaluations
     return gm
 
 
+def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
+    """A graph module ``(state..., knots...) -> state`` for step ``n``, over the knots it reads.
+
+    ``forward`` steps from n to n+1; ``reverse`` approximately rebuilds step n's start from its
+    end by stepping backward (explicit tableaus). The knot inputs are the stacks' rows
+    ``gm.knot_window`` (see :func:`knot_window_inputs`).
+    """
+    if isinstance(stage.integrator, ReversibleHeun):
+        if kind != "forward":
+            raise ValueError(f"reversible Heun has no {kind!r} step graph; odeify.reversible inverts it")
+        return _graph_over_knots(
+            stage, f"forward_step{n}", ("y", "z"), lambda w, y, z: reversible_heun_step(w, n, y, z)
+        )
+    direction = 1 if kind == "forward" else -1
+    return _graph_over_knots(
+        stage, f"{kind}_step{n}", ("x",), lambda w, x: (rk_step(w, stage.integrator, n, x, direction),)
+    )
+
+
 def build_field_graph(stage: ODEStage, t: Fraction, left: bool = False) -> fx.GraphModule:
-    """A graph module ``(x, knots...) -> F(t, x)`` for one time, e.g. for external ODE solvers."""
+    """A graph module ``(x, knots...) -> F(t, x)`` for one time, over the knots it reads."""
+    return _graph_over_knots(stage, "field", ("x",), lambda w, x: w.field(t, left, x, "t"))
+
+
+def knot_window_inputs(graph: fx.GraphModule, knots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The knot inputs of a step or field graph: each stack's rows ``graph.knot_window``."""
+    return [k[graph.knot_window] for k in knots]
+
+
+def _graph_over_knots(stage: ODEStage, name: str, state: tuple[str, ...], write) -> fx.GraphModule:
+    """Build ``(state..., knot stacks...) -> write(writer, *state)`` taking only the knots it reads.
+
+    The graph is written over the full stacks first to learn which knots it reads; if that is a
+    narrower window it is written again over just those rows. A gradient w.r.t. the inputs then
+    covers those knots alone, so a re-run step of a K-knot stage costs O(1), not O(K), knots.
+    """
+    full = slice(0, stage.num_knots)
+    graph, writer = _write_graph(stage, state, write, full)
+    if writer.used_knots:
+        window = slice(min(writer.used_knots), max(writer.used_knots) + 1)
+        if window != full:
+            graph, writer = _write_graph(stage, state, write, window)
+    else:
+        window = full
+    gm = fx.GraphModule(stage, graph, f"{writer.tag}_{name}")
+    gm.knot_window = window
+    gm.evaluations = writer.evaluations
+    return gm
+
+
+def _write_graph(
+    stage: ODEStage, state: tuple[str, ...], write, window: slice
+) -> tuple[fx.Graph, StageWriter]:
     graph = fx.Graph()
-    x = graph.placeholder("x")
+    placeholders = [graph.placeholder(s) for s in state]
     inputs = {s.name: graph.placeholder(s.name) for s in stage.slots if s.kind != "shared"}
-    w = StageWriter(stage, graph, "", inputs)
-    graph.output(w.field(t, left, x, "t"))
-    return fx.GraphModule(stage, graph, f"{w.tag}_field")
+    writer = StageWriter(stage, graph, "", inputs, window)
+    out = write(writer, *placeholders)
+    graph.output(out)
+    return graph, writer
 
 
 def count_evaluations(stage: ODEStage) -> int:
-    """Field evaluations (NFE) of the unrolled stage, counted by writing it into a scratch graph."""
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    inputs = {s.name: graph.placeholder(s.name) for s in stage.slots if s.kind != "shared"}
-    w = StageWriter(stage, graph, "", inputs)
-    write_stage(w, x)
-    return w.evaluations
+    """Field evaluations (NFE) of the unrolled stage."""
+    return stage.unrolled_graph().evaluations

@@ -103,7 +103,7 @@ class ODEStage(nn.Module):
             self.backward = validate_backward(self.backward, self.integrator)
         if checkpoint_every is not None:
             self.checkpoint_every = validate_checkpoint_every(checkpoint_every, self.stage_name)
-        self._step_graphs: dict[tuple, fx.GraphModule] = {}
+        self._step_graphs: dict[tuple | str, fx.GraphModule] = {}
         self._rows: dict[tuple[Fraction, bool], tuple[Fraction, ...]] = {}
         self._mix_index: dict[tuple[Fraction, ...], int] = {}
         return self
@@ -157,8 +157,16 @@ class ODEStage(nn.Module):
         return get_basis("constant").coefficients(self.depth, t, left).index(1)
 
     # -- eager execution -----------------------------------------------------------------------
+    def unrolled_graph(self) -> fx.GraphModule:
+        """The whole stage as one unrolled graph ``x -> x(1)``, as lowering inlines it."""
+        from odeify.emit import build_unrolled_graph
+
+        if "unrolled" not in self._step_graphs:
+            self._step_graphs["unrolled"] = build_unrolled_graph(self)
+        return self._step_graphs["unrolled"]
+
     def step_graph(self, n: int, kind: str = "forward") -> fx.GraphModule:
-        """A graph module for one step (``forward``, approximate ``reverse``, or exact ``inverse``)."""
+        """A graph module for one step (``forward``, or approximate ``reverse``) over its knot window."""
         from odeify.emit import build_step_graph
 
         key = (n, kind)
@@ -166,14 +174,26 @@ class ODEStage(nn.Module):
             self._step_graphs[key] = build_step_graph(self, n, kind)
         return self._step_graphs[key]
 
-    def field(self, t: Fraction, x: torch.Tensor, left: bool = False) -> torch.Tensor:
-        """F(t, x) evaluated eagerly at an exact time (a Fraction in [0, 1])."""
+    def field_graph(self, t: Fraction, left: bool = False) -> fx.GraphModule:
+        """A graph module ``(x, knot window...) -> F(t, x)`` at an exact time (left limit when ``left``)."""
         from odeify.emit import build_field_graph
 
         key = (Fraction(t), left, "field")
         if key not in self._step_graphs:
             self._step_graphs[key] = build_field_graph(self, Fraction(t), left)
-        return self._step_graphs[key](x, *self.knot_tensors())
+        return self._step_graphs[key]
+
+    def field(self, t: Fraction, x: torch.Tensor, left: bool = False) -> torch.Tensor:
+        """F(t, x) evaluated eagerly at an exact time (a Fraction in [0, 1])."""
+        return self.run_graph(self.field_graph(t, left), (x,))
+
+    def run_graph(
+        self, graph: fx.GraphModule, state: tuple[torch.Tensor, ...], knots: list[torch.Tensor] | None = None
+    ):
+        """Run a step or field graph on ``state`` and the knot rows it reads (default knots: the stage's)."""
+        from odeify.emit import knot_window_inputs
+
+        return graph(*state, *knot_window_inputs(graph, self.knot_tensors() if knots is None else knots))
 
     def initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (x, x) if isinstance(self.integrator, ReversibleHeun) else (x,)
@@ -183,11 +203,7 @@ class ODEStage(nn.Module):
             from odeify.adjoint import integrate_with_adjoint
 
             return integrate_with_adjoint(self, x)
-        state = self.initial_state(x)
-        knots = self.knot_tensors()
-        for n in range(self.steps):
-            state = self.step_graph(n)(*state, *knots)
-        return state[0]
+        return self.unrolled_graph()(x)
 
     def _apply(self, fn, *args, **kwargs):
         self._step_graphs = {}  # cached step graphs hold references to tensors that .to() replaces

@@ -33,13 +33,7 @@ def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
         if stage.backward != "backprop":
             continue
         with gm.graph.inserting_before(node):
-            writer = StageWriter(stage, gm.graph, node.target, {})
-            writer.knot_inputs = {
-                slot.name: writer.attr(stage.slot_attr(slot), f"{writer.tag}_{slot.name}")
-                for slot in stage.slots
-                if slot.kind != "shared"
-            }
-            out = write_stage(writer, node.args[0])
+            out = write_stage(StageWriter(stage, gm.graph, node.target), node.args[0])
         out.meta["tensor_meta"] = node.meta.get("tensor_meta")
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)

@@ -99,14 +99,12 @@ def test_resnet50_layer3_stage_matches_backprop(dtype) -> None:
     check_tol, rev_tol = TOL[dtype]
     ref = stage_grads(stage, "backprop", x, cot)
     assert_close(stage_grads(stage, "checkpoint", x, cot), ref, check_tol)
-    if dtype == torch.float32:
-        pytest.xfail(
-            "known limit: reversible Heun's fp32 inverse drifts ~3x per step on this random-weight "
-            "stage (2e-2 gradient error) although fp32 backprop is within 7e-7 of fp64"
-        )
+    # a plain floating-point inverse amplifies fp32 round-off ~3x per step on this expansive
+    # random-weight stage (it erred by 2e-2 here); the lattice state rebuilds every state exactly
     stage.configure(integrator="reversible_heun", steps=10, backward="backprop")
     ref = stage_grads(stage, "backprop", x, cot)
     assert_close(stage_grads(stage, "reversible", x, cot), ref, rev_tol)
+    assert stage.adjoint_stats.last_errors == [0.0]
 
 
 # -- exactness: deep synthetic stages ------------------------------------------------------------
@@ -132,8 +130,7 @@ def test_deep_stages_match_backprop(dtype, knots, steps, every) -> None:
     stage.configure(integrator="reversible_heun")
     ref = stage_grads(stage, "backprop", x, cot)
     assert_close(stage_grads(stage, "reversible", x, cot), ref, rev_tol)
-    stats = stage.adjoint_stats
-    assert len(stats.last_errors) == steps and stats.worst_error < 100 * torch.finfo(dtype).eps
+    assert stage.adjoint_stats.last_errors == [0.0]  # the rebuilt y_0 and z_0 agree bit for bit
 
 
 # -- reverse: approximate, within what it reports ------------------------------------------------
@@ -224,13 +221,8 @@ def test_drop_path_is_replayed_by_checkpoint(drop_path_model) -> None:
     assert rel(other["x"], ref["x"]) > 1e-3  # other masks, other gradient: not vacuous
 
 
-def test_drop_path_is_replayed_by_reversible_heun_inverse(drop_path_model) -> None:
-    """Stage level: the reference is the stage's own eager backprop.
-
-    (The lowered graph reuses one field evaluation across two steps, so it draws fewer masks.)
-    The input has no exact zeros: where a dropped branch leaves relu(z) on an exact zero of z,
-    the rebuilt z is off the kink by round-off and may take the other subgradient.
-    """
+def test_drop_path_is_replayed_by_reversible(drop_path_model) -> None:
+    """Stage level: the reference is the stage's own eager backprop."""
     stage = copy.deepcopy(odeify.converted_stages(drop_path_model)[0])
     stage.configure(integrator="reversible_heun")
     x = torch.randn(4, 64, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -293,13 +285,13 @@ def test_trainable_template_parameters_get_gradients() -> None:
     assert_close(stage_grads(stage, "checkpoint", x, cot), ref, 1e-12)
 
 
-@pytest.mark.parametrize(("mode", "tol"), [("checkpoint", 1e-6), ("reversible", 5e-2)])
+@pytest.mark.parametrize(("mode", "tol"), [("checkpoint", 1e-6), ("reversible", 2e-2)])
 def test_mixed_precision_is_replayed(mode, tol) -> None:
     """Re-runs in backward see the forward's autocast state, as autograd through the graph does.
 
-    Reversible Heun inverts exactly only in the arithmetic its field runs in: with bf16 fields a
-    state's fp32 round-off can flip a bf16 rounding, and the rebuilt states drift (~1e-4 here,
-    unseen by the one-step check), so its gradients agree to bf16 accuracy, not fp32.
+    Reversible Heun rebuilds its lattice states exactly under autocast too, but those states differ
+    from the unrolled graph's fp32 ones by fp32 round-off, which flips bf16 roundings of the fields'
+    inputs: the two agree to bf16 accuracy (6e-3 here), not fp32.
     """
     integrator = "reversible_heun" if mode == "reversible" else "euler"
     stage = digits_stage(0, torch.float32, knots=8, steps=8, basis="linear", integrator=integrator)
@@ -313,6 +305,8 @@ def test_mixed_precision_is_replayed(mode, tol) -> None:
     ref = grads("backprop")
     assert rel(ref["x"], stage_grads(stage, "backprop", x, cot)["x"]) > 1e-4  # bf16 does differ
     assert_close(grads(mode), ref, tol)
+    if mode == "reversible":
+        assert stage.adjoint_stats.last_errors == [0.0]
 
 
 def test_saved_memory_is_flat_in_depth() -> None:
@@ -338,12 +332,16 @@ def test_saved_memory_is_flat_in_depth() -> None:
 
     state = stage_input(digits_stage(0, torch.float32), 2, torch.float32)
     state_bytes = state.numel() * state.element_size()
-    for integrator, mode, states in [("euler", "reverse", 2), ("reversible_heun", "reversible", 2)]:
+    # reverse: x and x_N; reversible: (y_N, z_N) in float64 (4 fp32 states) and the lattice spacing
+    for integrator, mode, size in [
+        ("euler", "reverse", 2 * state_bytes),
+        ("reversible_heun", "reversible", 4 * state_bytes + 8),
+    ]:
         sizes = [
             saved_bytes(digits_stage(0, torch.float32, knots=n, steps=n, integrator=integrator), mode)
             for n in (8, 32)
         ]
-        assert sizes == [states * state_bytes] * 2, (mode, sizes)
+        assert sizes == [size] * 2, (mode, sizes)
     stage = digits_stage(0, torch.float32, knots=8, steps=32)
     assert saved_bytes(stage, "checkpoint") == 32 * state_bytes
     stage.configure(checkpoint_every=8)

@@ -131,7 +131,7 @@ def torchdiffeq_step(
 def odeify_step(stage: odeify.ODEStage, integrator, steps: int, n: int, x: torch.Tensor) -> torch.Tensor:
     stage.configure(integrator=integrator, steps=steps)
     with torch.no_grad():
-        return stage.step_graph(n)(x, *stage.knot_tensors())[0]
+        return stage.run_graph(stage.step_graph(n), (x,))[0]
 
 
 HEUN3 = Tableau.create("heun3", [[0, 0, 0], ["1/3", 0, 0], [0, "2/3", 0]], ["1/4", 0, "3/4"], order=3)

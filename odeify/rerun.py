@@ -1,0 +1,89 @@
+"""Shared pieces of the backward passes that re-run graphs: parameter gradients and autocast.
+
+A re-run graph takes only the rows of each knot stack it reads (``graph.knot_window``), so its
+knot inputs are fresh leaves over those rows and its gradients land in just those rows of the
+accumulators: one step of a K-knot stage costs its own knots in backward, not all K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+
+@dataclass
+class Rerun:
+    """The parameter inputs of one re-run: ``knots`` to pass to the graph, ``wrt`` to differentiate."""
+
+    window: slice
+    knots: list[Tensor]
+    wrt: list[Tensor]
+
+
+class ParamGrads:
+    """Accumulates one backward pass's gradients for the knot stacks and other trainable parameters.
+
+    ``params`` are the Function's parameter inputs (the knot stacks, then the stage's other trainable
+    parameters, which graphs read themselves); ``needs`` says which of them want a gradient.
+    """
+
+    def __init__(self, params: Sequence[Tensor], num_knots: int, needs: Sequence[bool]) -> None:
+        self.knots = [k.detach() for k in params[:num_knots]]
+        self.knot_needs = list(needs[:num_knots])
+        self.extras = [p for p, need in zip(params[num_knots:], needs[num_knots:], strict=True) if need]
+        self.needs = list(needs)
+        pairs = zip(self.knots, self.knot_needs, strict=True)
+        self.knot_grads = [torch.zeros_like(k) if need else None for k, need in pairs]
+        self.extra_grads = [torch.zeros_like(p) for p in self.extras]
+
+    def rerun(self, graph: fx.GraphModule, differentiate: bool = True) -> Rerun:
+        """Knot inputs for one run of ``graph`` (fresh leaves when ``differentiate``)."""
+        window = graph.knot_window
+        knots = [
+            k[window].requires_grad_(need and differentiate)
+            for k, need in zip(self.knots, self.knot_needs, strict=True)
+        ]
+        wrt = [k for k in knots if k.requires_grad] + (self.extras if differentiate else [])
+        return Rerun(window, knots, wrt)
+
+    def add(self, rerun: Rerun, grads: Sequence[Tensor | None]) -> None:
+        """Add the gradients w.r.t. ``rerun.wrt`` (as returned by ``torch.autograd.grad``)."""
+        found = iter(grads)
+        for acc in self.knot_grads:
+            if acc is not None:
+                g = next(found)
+                if g is not None:
+                    acc[rerun.window].add_(g)
+        for acc in self.extra_grads:
+            g = next(found)
+            if g is not None:
+                acc.add_(g)
+
+    def reset(self) -> None:
+        """Zero the accumulators, for a pass that starts over."""
+        for acc in [*self.knot_grads, *self.extra_grads]:
+            if acc is not None:
+                acc.zero_()
+
+    def result(self) -> list[Tensor | None]:
+        """One gradient (or None) per parameter input, in order."""
+        knot_grads = iter(self.knot_grads)
+        extra_grads = iter(self.extra_grads)
+        out: list[Tensor | None] = [next(knot_grads) for _ in self.knots]
+        out += [next(extra_grads) if need else None for need in self.needs[len(self.knots) :]]
+        return out
+
+
+def autocast_state(device: torch.device) -> dict[str, Any]:
+    """The forward's autocast settings, so that re-runs in backward see the same mixed precision."""
+    kind = device.type
+    return {
+        "device_type": kind,
+        "dtype": torch.get_autocast_dtype(kind),
+        "enabled": torch.is_autocast_enabled(kind),
+    }
