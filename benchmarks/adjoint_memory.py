@@ -10,7 +10,8 @@ linear basis and refined to N knots and N steps (N = 8, 16, 32, 64), run on its 
 - peak RSS of the process during the step, and its growth over the RSS after setup (loading
   the stage, building its step graphs);
 - step time (forward + backward), median of ``--repeats`` steps after the measured one;
-- relative error of the knot gradient against backprop through the same integrator;
+- relative error of the knot gradient against backprop through the same integrator, in the
+  same dtype and (fp32 runs) in float64, which shows how accurate the fp32 gradient can be;
 - with ``--device cuda``: the step's peak GPU memory over what the stage and input occupy.
 
 Modes: odeify's backprop / checkpoint / reverse (Euler) and reversible (reversible Heun, against
@@ -57,21 +58,25 @@ MODES = {  # name: (integrator, odeify backward mode or external method, referen
 NOTES = """Reading the numbers:
 
 - 'saved' is the activation memory a mode keeps for backward: the input and output (reverse) or
-  the final (y, z) (reversible) at any N; every step's state (checkpoint, torch.utils.checkpoint);
-  every intermediate (backprop).
+  the final (y, z) on reversible Heun's float64 lattice (reversible: 4 fp32 states' bytes) at any
+  N; every step's state (checkpoint, torch.utils.checkpoint); every intermediate (backprop).
+- backprop runs the stage's unrolled graph, the one a converted model runs; on this continuous
+  (linear) weight path reversible Heun shares one field evaluation between consecutive steps.
 - The peaks also hold the knots and their gradients, which grow with the knot count (knots =
-  steps here), and autograd's gradient of a stacked knot tensor through `stack[k]`, a dense
-  buffer of all K knots per use: that is why the memory-free modes' peaks rise with N too.
+  steps here, 4.5 MB each): that is why the memory-free modes' peaks rise with N too. Re-run
+  steps take only the knot rows they read, so backward builds no all-knot buffer per step.
 - This test model (random weights, randomized BN statistics) is strongly expansive across the
   stage. Stepping Euler backward cannot rebuild its states, so `reverse` falls back to exact
   checkpointing on every pass (its time includes the failed attempt), and torchdiffeq's
-  continuous adjoint, which integrates x backward with the same Euler steps, is far off.
-- Reversible Heun's inverse is exact in exact arithmetic; it amplifies the round-off of the
-  field's arithmetic, strongly on such a stage. fp64 shows the gradient error is round-off
-  (`--dtype float64`). On GPUs fp32 convolutions default to TF32
-  (`torch.backends.cudnn.allow_tf32`), whose round-off is larger again.
-- GPU runs of this script: adjoint_memory_cuda.md (fp32, TF32 convolutions) and
-  adjoint_memory_cuda_fp64.md.
+  continuous adjoint, which integrates x backward with the same Euler steps, is far off
+  (benchmarks/gradient_error.py measures it on trained fields: about 25% at 16 steps).
+- reversible rebuilds every state bit for bit ('worst recon. err' is the gap between the rebuilt
+  y_0 and z_0, which start equal). Its gradient still differs from fp32 backprop's because this
+  stage's fp32 gradient is only accurate to about 1e-3 whichever way it is computed: see 'err vs
+  fp64', where fp32 backprop errs as much. Against fp64 references, and on the well-conditioned
+  stages of tests/test_adjoint.py, reversible agrees with backprop to round-off.
+- GPU runs of this script (before the lattice): adjoint_memory_cuda.md (fp32, TF32 convolutions)
+  and adjoint_memory_cuda_fp64.md.
 - Step times on a shared machine vary between runs; the load average is recorded below."""
 FULL = {"batch": 8, "size": 14}
 QUICK = {"batch": 2, "size": 14}
@@ -92,17 +97,20 @@ class Result:
     worst_error: float
     gpu_peak: int = 0
     grad_error: float = math.nan
+    truth_error: float = math.nan
 
 
 # -- the child: one training step in a fresh process ---------------------------------------------
 def run_forward(stage: odeify.ODEStage, mode: str, x: torch.Tensor) -> torch.Tensor:
     """The stage's output, with the graph that ``mode`` keeps for backward."""
     if mode == "torch.utils.checkpoint":
-        state, knots = stage.initial_state(x), stage.knot_tensors()
+        # each knot stack is unbound once and a step takes views of the rows it reads, so that a
+        # step's backward does not build a gradient the size of the whole stack
+        state, rows = stage.initial_state(x), [k.unbind(0) for k in stage.knot_tensors()]
         for n in range(stage.steps):
-            state = torch.utils.checkpoint.checkpoint(
-                stage.step_graph(n), *state, *knots, use_reentrant=False
-            )
+            graph = stage.step_graph(n)
+            knots = [_stacked(r[graph.knot_window]) for r in rows]
+            state = torch.utils.checkpoint.checkpoint(graph, *state, *knots, use_reentrant=False)
         return state[0]
     if mode == "torchdiffeq adjoint":
         from torchdiffeq import odeint_adjoint
@@ -121,6 +129,24 @@ def run_forward(stage: odeify.ODEStage, mode: str, x: torch.Tensor) -> torch.Ten
     return stage(x)
 
 
+def _stacked(rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Knot rows as one stack: a view for a single row, a copy otherwise."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+
+
+def build_graphs(stage: odeify.ODEStage) -> None:
+    """Build (and cache) every graph the modes run: graph building is a one-time cost, not a step's."""
+    stage.unrolled_graph()
+    for n in range(stage.steps):
+        stage.step_graph(n)
+        if stage.backward == "reverse":
+            stage.step_graph(n, "reverse")
+    for m in range(stage.steps + 1):
+        t = Fraction(m, stage.steps)
+        for left in [True] * (m > 0) + [False] * (m < stage.steps):
+            stage.field_graph(t, left)
+
+
 def child(args: argparse.Namespace) -> None:
     """Measure one training step of ``args.mode`` on the stage saved at ``args.stage``; print JSON."""
     integrator, backward, _ = MODES[args.mode]
@@ -132,10 +158,7 @@ def child(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, CHANNELS, args.size, args.size, generator=g).relu().to(device, dtype)
     cotangent = torch.randn(x.shape, generator=g).to(device, dtype)
     cuda = device.type == "cuda"
-    kinds = {"reverse": ["reverse"], "reversible": ["inverse"]}.get(backward, [])
-    for n in range(stage.steps):  # graph building is a one-time cost, not part of a step
-        for kind in ["forward", *kinds]:
-            stage.step_graph(n, kind)
+    build_graphs(stage)
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     saved: dict[int, int] = {}
 
@@ -248,12 +271,20 @@ def run_all(steps: list[int], modes: list[str], sizes: dict, repeats: int) -> li
                 result = measure(paths[n], mode, sizes, repeats, files[mode])
                 results.append(result)
                 print(f"  N={n:3d} {mode:24s} {result.time:7.2f} s", file=sys.stderr, flush=True)
+            truth = {}  # an fp32 run's references again in float64: what fp32 round-off costs
+            if sizes["dtype"] == "float32":
+                for reference in dict.fromkeys(MODES[m][2] for m in modes):
+                    truth[reference] = folder / f"truth_{n}_{len(truth)}.pt"
+                    measure(paths[n], reference, {**sizes, "dtype": "float64"}, 0, truth[reference])
+                    print(f"  N={n:3d} {reference} in float64 (reference)", file=sys.stderr, flush=True)
             for result in (r for r in results if r.steps == n):
                 reference = MODES[result.mode][2]
+                got = torch.load(files[result.mode])
                 if reference in files:
-                    got, want = torch.load(files[result.mode]), torch.load(files[reference])
-                    result.grad_error = relative_error(got, want)
-            for file in files.values():
+                    result.grad_error = relative_error(got, torch.load(files[reference]))
+                if reference in truth:
+                    result.truth_error = relative_error(got, torch.load(truth[reference]))
+            for file in [*files.values(), *truth.values()]:
                 file.unlink()
             paths[n].unlink()
     return results
@@ -262,19 +293,22 @@ def run_all(steps: list[int], modes: list[str], sizes: dict, repeats: int) -> li
 # -- reporting ------------------------------------------------------------------------------------
 HEADERS = (
     "steps", "mode", "saved MB", "peak RSS MB", "RSS over setup MB", "step s",
-    "vs backprop", "grad rel. err", "fallbacks", "worst recon. err",
+    "vs backprop", "grad rel. err", "err vs fp64", "fallbacks", "worst recon. err",
 )  # fmt: skip
 
 
 def headers(results: list[Result]) -> tuple[str, ...]:
     gpu = any(r.gpu_peak for r in results)
-    return HEADERS[:3] + ("GPU peak MB",) * gpu + HEADERS[3:]
+    truth = any(not math.isnan(r.truth_error) for r in results)
+    names = HEADERS[:3] + ("GPU peak MB",) * gpu + HEADERS[3:]
+    return names if truth else tuple(h for h in names if h != "err vs fp64")
 
 
 def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
     base = next(x for x in results if x.steps == r.steps and x.mode == MODES[r.mode][2])
     mb = 2**20
     gpu = (f"{r.gpu_peak / mb:.0f}",) if any(x.gpu_peak for x in results) else ()
+    truth = () if all(math.isnan(x.truth_error) for x in results) else (f"{r.truth_error:.1e}",)
     return (
         str(r.steps),
         r.mode,
@@ -285,6 +319,7 @@ def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
         f"{r.time:.2f}",
         f"{r.time / base.time:.2f}x",
         "-" if math.isnan(r.grad_error) or r.mode == base.mode else f"{r.grad_error:.1e}",
+        *truth,
         str(r.fallbacks) if r.mode == "reverse" else "-",
         f"{r.worst_error:.1e}" if r.mode in ("reverse", "reversible") else "-",
     )
@@ -309,7 +344,14 @@ def targets(results: list[Result]) -> list[str]:
     rev = of("reversible")
     if rev:
         worst = max(r.grad_error for r in rev)
-        lines.append(f"reversible: worst grad rel. error {worst:.1e} (target <= 1e-5)")
+        lines.append(f"reversible: worst grad rel. error {worst:.1e} vs fp32 backprop (target <= 1e-5)")
+        floor = [r.truth_error for r in of("backprop (rev. Heun)") if not math.isnan(r.truth_error)]
+        if floor:
+            mine = max(r.truth_error for r in rev)
+            lines.append(
+                f"against fp64 backprop: reversible errs up to {mine:.1e}, fp32 backprop itself "
+                f"{min(floor):.1e}..{max(floor):.1e}: the stage's fp32 gradient is only that accurate"
+            )
         base = {r.steps: r for r in of("backprop (rev. Heun)")}
         ratios = [r.time / base[r.steps].time for r in rev if r.steps in base]
         if ratios:
@@ -341,7 +383,8 @@ def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repe
         "loading the stage and building its step graphs. 'step s' is the median wall time of",
         f"{repeats} step(s) after the measured one (the first step also pays one-time allocator and",
         "kernel set-up); 'vs backprop' compares with backprop of the same integrator (Euler; reversible",
-        "Heun for 'reversible'), and so does 'grad rel. err' (all knot gradients, one vector).",
+        "Heun for 'reversible'), and so does 'grad rel. err' (all knot gradients, one vector); 'err vs",
+        "fp64' compares with that backprop run in float64 (fp32 runs only).",
         "",
         "| " + " | ".join(headers(results)) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers(results)))) + "|",

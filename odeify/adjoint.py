@@ -75,6 +75,7 @@ class AdjointStats:
     fallbacks: int = 0
     worst_error: float = 0.0
     last_errors: list[float] = field(default_factory=list)
+    warned: bool = field(default=False, repr=False)  # reversible's inexact-rebuild warning, once
 
     def record(self, errors: Sequence[Tensor]) -> None:
         """Note one pass's errors (0-dim tensors, read here once: no device sync before)."""

@@ -226,14 +226,8 @@ def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
 
 
 def build_unrolled_graph(stage: ODEStage) -> fx.GraphModule:
-    """A graph module ``x -> x(1)``: the whole stage unrolled as lowering inlines it (for backprop)."""
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    writer = StageWriter(stage, graph, "")
-    graph.output(write_stage(writer, x))
-    gm = fx.GraphModule(stage, graph, f"{writer.tag}_unrolled")
-    gm.evaluations = writer.evaluations
-    return gm
+    """A graph module ``(x, knots...) -> x(1)``: the whole stage unrolled as lowering inlines it."""
+    return _graph_over_knots(stage, "unrolled", ("x",), lambda w, x: write_stage(w, x))
 
 
 def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
@@ -262,7 +256,8 @@ def build_field_graph(stage: ODEStage, t: Fraction, left: bool = False) -> fx.Gr
 
 def knot_window_inputs(graph: fx.GraphModule, knots: list[torch.Tensor]) -> list[torch.Tensor]:
     """The knot inputs of a step or field graph: each stack's rows ``graph.knot_window``."""
-    return [k[graph.knot_window] for k in knots]
+    window = graph.knot_window
+    return [k if (window.start, window.stop) == (0, len(k)) else k[window] for k in knots]
 
 
 def _graph_over_knots(stage: ODEStage, name: str, state: tuple[str, ...], write) -> fx.GraphModule:

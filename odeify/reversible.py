@@ -31,6 +31,7 @@ once in forward and once, with grad, in backward; the saved state is (y_N, z_N) 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -175,6 +176,19 @@ class _Backward:
         stats = self.stage.adjoint_stats
         stats.backward_passes += 1
         stats.record([torch.linalg.vector_norm(y - z) / torch.linalg.vector_norm(y).clamp_min(1e-300)])
+        if stats.last_errors[0] > 0 and not stats.warned:
+            stats.warned = True
+            warnings.warn(
+                f"odeify: stage '{self.stage.stage_name}' (backward='reversible') did not rebuild its "
+                f"states exactly (rebuilt y0 and z0 differ by {stats.last_errors[0]:.1e}, relative): its "
+                "field returned other bits on a re-run, so the gradients carry that difference, amplified "
+                "by the inverse. On GPUs use deterministic kernels "
+                "(torch.use_deterministic_algorithms(True), torch.backends.cudnn.benchmark = False); "
+                "a state past 2^(53 - bits) lattice spacings "
+                "(odeify.reversible.lattice_bits) also loses exactness. stage.adjoint_stats tracks it.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return lam_y + lam_z if self.needs_x else None
 
     def _point(

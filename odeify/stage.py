@@ -9,7 +9,7 @@ that this module runs eagerly (and that the adjoint modes re-run in backward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
 
@@ -86,26 +86,28 @@ class ODEStage(nn.Module):
         backward: BackwardMode | None = None,
         checkpoint_every: int | None = None,
     ) -> ODEStage:
-        """Set the manifestation; validates every setting and clears cached step graphs.
+        """Set the manifestation: validates every setting first, so a refused call changes nothing.
 
         ``checkpoint_every=k`` makes ``backward='checkpoint'`` keep every k-th step's state and
         recompute the k - 1 steps between in backward (memory ~ steps/k + k states).
         """
-        if basis is not None:
-            self.basis = get_basis(basis).name
-        if integrator is not None:
-            self.integrator = resolve_integrator(integrator)
-        if steps is not None:
-            self.steps = validate_steps(steps, self.stage_name)
-        if backward is not None:
-            self.backward = validate_backward(backward, self.integrator)
-        elif integrator is not None:
-            self.backward = validate_backward(self.backward, self.integrator)
+        current = (
+            getattr(self, "basis", None),
+            getattr(self, "integrator", None),
+            getattr(self, "steps", None),
+        )
+        new_basis = get_basis(basis).name if basis is not None else current[0]
+        new_integrator = resolve_integrator(integrator) if integrator is not None else current[1]
+        new_steps = validate_steps(steps, self.stage_name) if steps is not None else current[2]
+        new_backward = validate_backward(backward if backward is not None else self.backward, new_integrator)
         if checkpoint_every is not None:
             self.checkpoint_every = validate_checkpoint_every(checkpoint_every, self.stage_name)
-        self._step_graphs: dict[tuple | str, fx.GraphModule] = {}
-        self._rows: dict[tuple[Fraction, bool], tuple[Fraction, ...]] = {}
-        self._mix_index: dict[tuple[Fraction, ...], int] = {}
+        self.basis, self.integrator, self.steps, self.backward = (
+            new_basis,
+            new_integrator,
+            new_steps,
+            new_backward,
+        )
         return self
 
     @property
@@ -136,21 +138,22 @@ class ODEStage(nn.Module):
     # -- exact time bookkeeping ----------------------------------------------------------------
     def row(self, t: Fraction, left: bool) -> tuple[Fraction, ...]:
         """Basis coefficients over the knots at time ``t`` (left limit when ``left``), exactly."""
-        key = (t, left)
-        if key not in self._rows:
-            self._rows[key] = tuple(get_basis(self.basis).coefficients(self.num_knots, t, left))
-        return self._rows[key]
+        rows = self._cached().rows
+        if (t, left) not in rows:
+            rows[t, left] = tuple(get_basis(self.basis).coefficients(self.num_knots, t, left))
+        return rows[t, left]
 
     def mix_index(self, row: tuple[Fraction, ...]) -> int:
         """Index of a dense coefficient row in the ``mix`` buffer, registering it if new."""
-        if row not in self._mix_index:
-            self._mix_index[row] = len(self._mix_index)
+        index = self._cached().mix_index
+        if row not in index:
+            index[row] = len(index)
             dtype = next((t.dtype for t in self.knot_tensors() if t.is_floating_point()), torch.float32)
             device = next((t.device for t in self.knot_tensors()), torch.device("cpu"))
-            rows = sorted(self._mix_index, key=self._mix_index.__getitem__)
+            rows = sorted(index, key=index.__getitem__)
             mix = torch.tensor([[float(c) for c in r] for r in rows], dtype=dtype, device=device)
             self.register_buffer("mix", mix, persistent=False)
-        return self._mix_index[row]
+        return index[row]
 
     def variant_index(self, t: Fraction, left: bool) -> int:
         """The original block whose per-block modules (DropPath rates) serve time ``t``."""
@@ -161,27 +164,29 @@ class ODEStage(nn.Module):
         """The whole stage as one unrolled graph ``x -> x(1)``, as lowering inlines it."""
         from odeify.emit import build_unrolled_graph
 
-        if "unrolled" not in self._step_graphs:
-            self._step_graphs["unrolled"] = build_unrolled_graph(self)
-        return self._step_graphs["unrolled"]
+        graphs = self._cached().graphs
+        if "unrolled" not in graphs:
+            graphs["unrolled"] = build_unrolled_graph(self)
+        return graphs["unrolled"]
 
     def step_graph(self, n: int, kind: str = "forward") -> fx.GraphModule:
         """A graph module for one step (``forward``, or approximate ``reverse``) over its knot window."""
         from odeify.emit import build_step_graph
 
-        key = (n, kind)
-        if key not in self._step_graphs:
-            self._step_graphs[key] = build_step_graph(self, n, kind)
-        return self._step_graphs[key]
+        graphs = self._cached().graphs
+        if (n, kind) not in graphs:
+            graphs[n, kind] = build_step_graph(self, n, kind)
+        return graphs[n, kind]
 
     def field_graph(self, t: Fraction, left: bool = False) -> fx.GraphModule:
         """A graph module ``(x, knot window...) -> F(t, x)`` at an exact time (left limit when ``left``)."""
         from odeify.emit import build_field_graph
 
+        graphs = self._cached().graphs
         key = (Fraction(t), left, "field")
-        if key not in self._step_graphs:
-            self._step_graphs[key] = build_field_graph(self, Fraction(t), left)
-        return self._step_graphs[key]
+        if key not in graphs:
+            graphs[key] = build_field_graph(self, Fraction(t), left)
+        return graphs[key]
 
     def field(self, t: Fraction, x: torch.Tensor, left: bool = False) -> torch.Tensor:
         """F(t, x) evaluated eagerly at an exact time (a Fraction in [0, 1])."""
@@ -203,10 +208,17 @@ class ODEStage(nn.Module):
             from odeify.adjoint import integrate_with_adjoint
 
             return integrate_with_adjoint(self, x)
-        return self.unrolled_graph()(x)
+        return self.run_graph(self.unrolled_graph(), (x,))
+
+    def _cached(self) -> _Caches:
+        """The graphs and rows built for the current basis, integrator, steps and knot count."""
+        signature = (self.basis, self.integrator, self.steps, self.num_knots)
+        if getattr(self, "_caches", None) is None or self._caches.signature != signature:
+            self._caches = _Caches(signature)
+        return self._caches
 
     def _apply(self, fn, *args, **kwargs):
-        self._step_graphs = {}  # cached step graphs hold references to tensors that .to() replaces
+        self._caches = None  # cached graphs hold references to modules and buffers that .to() replaces
         return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -215,6 +227,19 @@ class ODEStage(nn.Module):
             f"basis={self.basis}, integrator={self.integrator.name}, steps={self.steps}, "
             f"backward={self.backward}"
         )
+
+
+@dataclass
+class _Caches:
+    """What a stage builds for one (basis, integrator, steps, knot count): graphs, exact rows, mix rows."""
+
+    signature: tuple
+    graphs: dict[tuple | str, fx.GraphModule] = field(default_factory=dict)
+    rows: dict[tuple[Fraction, bool], tuple[Fraction, ...]] = field(default_factory=dict)
+    mix_index: dict[tuple[Fraction, ...], int] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo: dict) -> _Caches:
+        return _Caches(None)  # a copied stage rebuilds its own (a GraphModule copy loses attributes)
 
 
 def _may_draw_random(module: nn.Module) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import warnings
 
@@ -12,7 +13,7 @@ from timm.layers import DropPath
 from torch import nn
 
 import odeify
-from odeify import adjoint
+from odeify import adjoint, rerun
 from odeify.errors import ConfigError
 from odeify.models import DEFAULT_MODEL_PATH, load_model
 
@@ -230,6 +231,7 @@ def test_drop_path_is_replayed_by_reversible(drop_path_model) -> None:
     ref, after_ref = seeded(lambda: stage_grads(stage, "backprop", x, cot))
     got, after = seeded(lambda: stage_grads(stage, "reversible", x, cot))
     assert_close(got, ref, 1e-10)
+    assert stage.adjoint_stats.last_errors == [0.0]  # the replayed masks rebuild the states exactly
     assert torch.equal(after, after_ref)
     other, _ = seeded(lambda: stage_grads(stage, "reversible", x, cot), seed=7)
     assert rel(other["x"], ref["x"]) > 1e-3
@@ -309,6 +311,29 @@ def test_mixed_precision_is_replayed(mode, tol) -> None:
         assert stage.adjoint_stats.last_errors == [0.0]
 
 
+def test_step_graphs_take_only_the_knots_they_read(monkeypatch) -> None:
+    """A re-run step differentiates w.r.t. its own knot rows, not a dense all-knot stack."""
+    stage = digits_stage(0, torch.float32, knots=8, steps=8, basis="linear")
+    assert [stage.step_graph(n).knot_window for n in range(8)] == [slice(n, n + 1) for n in range(8)]
+    stage.configure(integrator="heun")  # also evaluates theta(t_{n+1}-): knot n + 1
+    assert stage.step_graph(2).knot_window == slice(2, 4)
+    stage.configure(integrator="euler", basis="cubic", steps=6)  # off the knots a C2 spline reads all
+    assert stage.step_graph(1).knot_window == slice(0, 8)
+
+    rows_per_gradient = []
+    add = rerun.ParamGrads.add
+
+    def recording(self, run, grads) -> None:
+        rows_per_gradient.extend(g.shape[0] for g in grads[: len(run.knots)] if g is not None)
+        add(self, run, grads)
+
+    monkeypatch.setattr(rerun.ParamGrads, "add", recording)
+    for integrator, mode in [("euler", "checkpoint"), ("reversible_heun", "reversible")]:
+        stage.configure(basis="linear", integrator=integrator, steps=8, backward=mode)
+        stage(stage_input(stage, 2, torch.float32)).sum().backward()
+    assert rows_per_gradient and set(rows_per_gradient) == {1}
+
+
 def test_saved_memory_is_flat_in_depth() -> None:
     """Bytes saved for backward (parameters excluded): constant for reverse/reversible."""
 
@@ -358,6 +383,10 @@ def test_reversible_needs_reversible_heun(resnet18) -> None:
         odeify.convert(model, backward="reversible")
     with pytest.raises(ConfigError, match="reversible"):
         odeify.convert(model, integrator="reversible_heun", backward="reverse")
+    stage = digits_stage(0, torch.float32, integrator="reversible_heun", backward="reversible")
+    with pytest.raises(ConfigError, match="reversible_heun"):
+        stage.configure(integrator="euler", steps=8)  # refused as a whole: nothing changes
+    assert (stage.integrator.name, stage.steps, stage.backward) == ("reversible_heun", 4, "reversible")
 
 
 def test_unknown_backward_mode(resnet18) -> None:
@@ -373,6 +402,22 @@ def test_unknown_backward_mode(resnet18) -> None:
 def test_checkpoint_every_is_validated(every) -> None:
     with pytest.raises(ConfigError, match="checkpoint_every"):
         digits_stage(0, torch.float32).configure(checkpoint_every=every)
+
+
+def test_reversible_warns_once_when_its_field_is_not_deterministic() -> None:
+    """A field that returns other bits on a re-run breaks the exact rebuild: say so, once."""
+    stage = digits_stage(
+        0, torch.float32, knots=4, steps=4, integrator="reversible_heun", backward="reversible"
+    )
+    calls = itertools.count()
+    stage.template.act1.register_forward_hook(lambda module, args, out: out + 1e-4 * (next(calls) % 3))
+    x = stage_input(stage, 2, torch.float32)
+    with pytest.warns(RuntimeWarning, match="did not rebuild its states exactly"):
+        stage(x).sum().backward()
+    assert stage.adjoint_stats.last_errors[0] > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stage(x).sum().backward()
 
 
 def test_train_mode_batchnorm_is_refused() -> None:
