@@ -98,6 +98,7 @@ class Result:
     gpu_peak: int = 0
     grad_error: float = math.nan
     truth_error: float = math.nan
+    thread_error: float = math.nan  # a reference mode against itself run on one thread
 
 
 # -- the child: one training step in a fresh process ---------------------------------------------
@@ -158,6 +159,8 @@ def child(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, CHANNELS, args.size, args.size, generator=g).relu().to(device, dtype)
     cotangent = torch.randn(x.shape, generator=g).to(device, dtype)
     cuda = device.type == "cuda"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     build_graphs(stage)
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     saved: dict[int, int] = {}
@@ -245,7 +248,7 @@ def measure(path: Path, mode: str, sizes: dict, repeats: int, grads: Path) -> Re
     command = [
         sys.executable, __file__, "--child", "--stage", str(path), "--mode", mode, "--grads", str(grads),
         "--batch", str(sizes["batch"]), "--size", str(sizes["size"]), "--repeats", str(repeats),
-        "--device", sizes["device"], "--dtype", sizes["dtype"],
+        "--device", sizes["device"], "--dtype", sizes["dtype"], "--threads", str(sizes.get("threads", 0)),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -271,12 +274,16 @@ def run_all(steps: list[int], modes: list[str], sizes: dict, repeats: int) -> li
                 result = measure(paths[n], mode, sizes, repeats, files[mode])
                 results.append(result)
                 print(f"  N={n:3d} {mode:24s} {result.time:7.2f} s", file=sys.stderr, flush=True)
-            truth = {}  # an fp32 run's references again in float64: what fp32 round-off costs
+            # an fp32 run's references again in float64 (what fp32 round-off costs) and on one
+            # thread (other kernels, other summation order: how reproducible the fp32 gradient is)
+            truth, threads = {}, {}
             if sizes["dtype"] == "float32":
                 for reference in dict.fromkeys(MODES[m][2] for m in modes):
                     truth[reference] = folder / f"truth_{n}_{len(truth)}.pt"
                     measure(paths[n], reference, {**sizes, "dtype": "float64"}, 0, truth[reference])
-                    print(f"  N={n:3d} {reference} in float64 (reference)", file=sys.stderr, flush=True)
+                    threads[reference] = folder / f"thread_{n}_{len(threads)}.pt"
+                    measure(paths[n], reference, {**sizes, "threads": 1}, 0, threads[reference])
+                    print(f"  N={n:3d} {reference} in float64 and on 1 thread", file=sys.stderr, flush=True)
             for result in (r for r in results if r.steps == n):
                 reference = MODES[result.mode][2]
                 got = torch.load(files[result.mode])
@@ -284,7 +291,9 @@ def run_all(steps: list[int], modes: list[str], sizes: dict, repeats: int) -> li
                     result.grad_error = relative_error(got, torch.load(files[reference]))
                 if reference in truth:
                     result.truth_error = relative_error(got, torch.load(truth[reference]))
-            for file in [*files.values(), *truth.values()]:
+                if result.mode in threads:
+                    result.thread_error = relative_error(torch.load(threads[result.mode]), got)
+            for file in [*files.values(), *truth.values(), *threads.values()]:
                 file.unlink()
             paths[n].unlink()
     return results
@@ -325,7 +334,7 @@ def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
     )
 
 
-def targets(results: list[Result]) -> list[str]:
+def targets(results: list[Result], dtype: str) -> list[str]:
     """The targets from the issue, each with what was measured."""
 
     def of(mode: str) -> list[Result]:
@@ -344,13 +353,20 @@ def targets(results: list[Result]) -> list[str]:
     rev = of("reversible")
     if rev:
         worst = max(r.grad_error for r in rev)
-        lines.append(f"reversible: worst grad rel. error {worst:.1e} vs fp32 backprop (target <= 1e-5)")
+        lines.append(f"reversible: worst grad rel. error {worst:.1e} vs {dtype} backprop (target <= 1e-5)")
         floor = [r.truth_error for r in of("backprop (rev. Heun)") if not math.isnan(r.truth_error)]
         if floor:
             mine = max(r.truth_error for r in rev)
             lines.append(
                 f"against fp64 backprop: reversible errs up to {mine:.1e}, fp32 backprop itself "
                 f"{min(floor):.1e}..{max(floor):.1e}: the stage's fp32 gradient is only that accurate"
+            )
+        again = [r.thread_error for r in of("backprop (rev. Heun)") if not math.isnan(r.thread_error)]
+        if again:
+            lines.append(
+                f"fp32 backprop of reversible Heun on 1 thread differs from itself on "
+                f"{torch.get_num_threads()} threads by {min(again):.1e}..{max(again):.1e}: no fp32 method "
+                "can promise agreement beyond that on this stage"
             )
         base = {r.steps: r for r in of("backprop (rev. Heun)")}
         ratios = [r.time / base[r.steps].time for r in rev if r.steps in base]
@@ -384,7 +400,8 @@ def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repe
         f"{repeats} step(s) after the measured one (the first step also pays one-time allocator and",
         "kernel set-up); 'vs backprop' compares with backprop of the same integrator (Euler; reversible",
         "Heun for 'reversible'), and so does 'grad rel. err' (all knot gradients, one vector); 'err vs",
-        "fp64' compares with that backprop run in float64 (fp32 runs only).",
+        "fp64' compares with that backprop run in float64 (fp32 runs only); the targets also compare",
+        "fp32 backprop with itself run on one thread.",
         "",
         "| " + " | ".join(headers(results)) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers(results)))) + "|",
@@ -392,7 +409,7 @@ def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repe
         "",
         "Targets:",
         "",
-        *(f"- {line}" for line in targets(results)),
+        *(f"- {line}" for line in targets(results, sizes["dtype"])),
         "",
         NOTES,
         "",
@@ -451,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--grads", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = dict(QUICK if args.quick else FULL)
     sizes.update({k: v for k, v in (("batch", args.batch), ("size", args.size)) if v is not None})
@@ -467,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     results = run_all(sorted(args.steps), modes, sizes, args.repeats)
-    table = Table(title=f"backward modes on resnet50 {STAGE}", caption="; ".join(targets(results)))
+    caption = "; ".join(targets(results, sizes["dtype"]))
+    table = Table(title=f"backward modes on resnet50 {STAGE}", caption=caption)
     for i, header in enumerate(headers(results)):
         table.add_column(header, justify="left" if i < 2 else "right")
     for r in results:

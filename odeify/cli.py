@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="backprop",
         choices=BACKWARD_MODES,
         help="training backward pass: backprop (default), checkpoint (exact, recomputes), reverse "
-        "(memory-free, approximate) or reversible (memory-free, needs reversible_heun)",
+        "(memory-free, approximate) or reversible (memory-free and exact, needs reversible_heun)",
     )
     conv.add_argument(
         "--check",
