@@ -36,6 +36,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
+from baselines import torchdiffeq_euler_adjoint
 from machine import describe_machine
 from rich.console import Console
 from rich.table import Table
@@ -114,19 +115,7 @@ def run_forward(stage: odeify.ODEStage, mode: str, x: torch.Tensor) -> torch.Ten
             state = torch.utils.checkpoint.checkpoint(graph, *state, *knots, use_reentrant=False)
         return state[0]
     if mode == "torchdiffeq adjoint":
-        from torchdiffeq import odeint_adjoint
-
-        steps = stage.steps
-
-        class Field(torch.nn.Module):
-            def forward(self, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                # torchdiffeq's grid points are floats: map each to its exact grid time
-                return stage.field(Fraction(round(float(t) * steps), steps), y)
-
-        t = torch.tensor([0.0, 1.0], dtype=x.dtype, device=x.device)
-        options = {"step_size": 1.0 / steps}
-        params = tuple(stage.parameters())
-        return odeint_adjoint(Field(), x, t, method="euler", options=options, adjoint_params=params)[-1]
+        return torchdiffeq_euler_adjoint(stage, x)
     return stage(x)
 
 

@@ -30,10 +30,10 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 import torch
+from baselines import torchdiffeq_euler_adjoint
 from machine import describe_machine
 from rich.console import Console
 from rich.table import Table
@@ -86,19 +86,7 @@ def stage_and_input(basis: str, batch: int) -> tuple[odeify.ODEStage, torch.Tens
 def run_forward(stage: odeify.ODEStage, mode: str, x: torch.Tensor) -> torch.Tensor:
     """The stage's output, with the graph that ``mode`` (a backward mode or TORCHDIFFEQ) keeps."""
     if mode == TORCHDIFFEQ:
-        from torchdiffeq import odeint_adjoint
-
-        steps = stage.steps
-
-        class Field(torch.nn.Module):
-            def forward(self, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                # torchdiffeq's grid points are floats: map each to its exact grid time
-                return stage.field(Fraction(round(float(t) * steps), steps), y)
-
-        t = torch.tensor([0.0, 1.0], dtype=x.dtype, device=x.device)
-        options = {"step_size": 1.0 / steps}
-        params = tuple(stage.parameters())
-        return odeint_adjoint(Field(), x, t, method="euler", options=options, adjoint_params=params)[-1]
+        return torchdiffeq_euler_adjoint(stage, x)
     stage.configure(backward=mode)
     return stage(x)
 
