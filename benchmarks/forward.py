@@ -32,7 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 import odeify
-from odeify.convert import converted_stages
+from odeify.conversion import converted_stages
 from odeify.emit import count_evaluations
 from odeify.fileio import atomic_write_bytes
 

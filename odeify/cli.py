@@ -13,22 +13,22 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from rich.console import Console
 from rich.table import Table
-from torch import nn
 
-from odeify.analysis import analyze_graph, input_shape_for, trace_and_annotate
 from odeify.bases import BASES
-from odeify.convert import convert
-from odeify.dot import plan_to_dot
 from odeify.errors import ConfigError, OdeifyError
 from odeify.fileio import atomic_write_bytes
-from odeify.models import DEFAULT_MODEL_PATH, load_model
-from odeify.report import describe, format_discrete_table, format_plan_table, format_report_table
-from odeify.stage import BACKWARD_MODES, validate_backward
+from odeify.settings import BACKWARD_MODES, DEFAULT_MODEL_PATH, validate_backward
 from odeify.tableaus import TABLEAUS, ReversibleHeun, resolve_integrator
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch, timm and the library proper are imported by the commands that use them, so that
+# `odeify --help` and `odeify list` answer at once.
 
 CHECK_SEED = 0
 TABLE_WIDTH = 120  # rich's width when stdout is not a terminal (its own default, 80, wraps the tables)
@@ -194,6 +194,9 @@ def _knots(text: str) -> str | int:
 
 def _load(args: argparse.Namespace) -> tuple[nn.Module, str, tuple[int, ...]]:
     """The model, its display name and the validated input shape."""
+    from odeify.analysis import input_shape_for
+    from odeify.models import load_model
+
     if args.input_size is not None and len(args.input_size) not in (3, 4):
         raise OdeifyError(
             f"--input-size takes C H W or N C H W (e.g. --input-size 3 224 224); got {len(args.input_size)} "
@@ -206,6 +209,12 @@ def _load(args: argparse.Namespace) -> tuple[nn.Module, str, tuple[int, ...]]:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """``odeify inspect``: the plan table, the discrete blocks, optionally DOT and JSON."""
+    import torch
+
+    from odeify.analysis import analyze_graph, trace_and_annotate
+    from odeify.dot import plan_to_dot
+    from odeify.report import format_discrete_table, format_plan_table
+
     model, name, shape = _load(args)
     with torch.no_grad():
         gm = trace_and_annotate(model, shape)
@@ -228,6 +237,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_convert(args: argparse.Namespace) -> int:
     """``odeify convert``: the report table, optionally a numerical check and the code."""
+    from odeify.conversion import convert
+    from odeify.report import describe, format_report_table
+
     model, name, shape = _load(args)
     converted = convert(
         model,
@@ -274,6 +286,8 @@ def _random_timm_weights(args: argparse.Namespace) -> bool:
 
 def compare(original: nn.Module, converted: nn.Module, shape: Sequence[int]) -> dict[str, float]:
     """Max absolute and relative output difference on one seeded random input."""
+    import torch
+
     dtype = next((p.dtype for p in original.parameters() if p.is_floating_point()), torch.float32)
     x = torch.randn(tuple(shape), generator=torch.Generator().manual_seed(CHECK_SEED), dtype=dtype)
     with torch.no_grad():

@@ -17,7 +17,7 @@ import torch.fx as fx
 from safetensors import safe_open
 from torch import nn
 
-from odeify.convert import _change_knots, convert, converted_stages
+from odeify.conversion import _change_knots, convert, converted_stages
 from odeify.errors import ModelLoadError
 from odeify.fileio import atomic_write_bytes
 from odeify.tableaus import ReversibleHeun, Tableau

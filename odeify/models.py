@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from odeify.errors import ModelLoadError, OdeifyError
 from odeify.fileio import atomic_write_bytes
+from odeify.settings import DEFAULT_MODEL_PATH
 
 __all__ = [
     "DEFAULT_MODEL_PATH",
@@ -74,7 +75,6 @@ _HUB_PREFIXES = ("hf-hub:", "hf_hub:")
 # ---------------------------------------------------------------------------------------------------
 # The project's own trained model: a small timm ResNet on scikit-learn's 8x8 digits.
 DIGITS_ARCH = "odeify.digits_resnet"
-DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "data" / "digits_resnet.safetensors"
 DIGITS_SIZE = 32  # images are upsampled 8x8 -> 32x32: stem /4 leaves 8x8 and 4x4 feature maps
 DIGITS_SEED = 0  # seed of the train/test permutation
 DIGITS_TEST_FRACTION = 0.2

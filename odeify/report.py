@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from rich.table import Table
 from torch import nn
 
-from odeify.convert import META, converted_stages
+from odeify.conversion import META, converted_stages
 from odeify.emit import count_evaluations
 from odeify.errors import ConfigError
 from odeify.plan import Plan

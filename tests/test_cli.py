@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,27 @@ def test_errors_exit_2_with_one_paragraph(
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_help_and_list_do_not_import_torch() -> None:
+    """`odeify --help` and `odeify list` answer without importing torch or timm (seconds each)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from odeify.cli import main\n"
+        "for argv in (['--help'], ['list']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "print(sorted(m for m in ('torch', 'timm') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_public_names_resolve_lazily() -> None:
+    import odeify
+    import odeify.conversion
+
+    assert odeify.convert is odeify.conversion.convert  # a function, not the module of the same stem
+    assert set(odeify.__all__) <= set(dir(odeify))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        odeify.nope  # noqa: B018

@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import odeify
 from odeify.bases import MAX_KNOTS
-from odeify.convert import converted_stages
+from odeify.conversion import converted_stages
 from odeify.errors import ConfigError
 from odeify.models import DIGITS_ARCH
 from odeify.tableaus import KNOWN_INTEGRATORS, Tableau
@@ -247,7 +247,7 @@ def test_retarget_needs_a_converted_model(digits) -> None:
 
 # --- retargeting the basis: when knots can serve another basis ----------------------------------------
 #
-# Rule (odeify.convert._change_knots): a stage may switch basis with its knots as they are only when it
+# Rule (odeify.conversion._change_knots): a stage may switch basis with its knots as they are only when it
 # has one knot per block. Those knots are the blocks' weights, which every basis interpolates, so native
 # Euler stays exact. Knots compressed by least squares (or refined) under one basis are values of that
 # basis's weight path; reading them with another basis would silently swap the weight path for one that

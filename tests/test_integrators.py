@@ -26,7 +26,7 @@ import torchdiffeq
 from torch import nn
 
 import odeify
-from odeify.convert import converted_stages
+from odeify.conversion import converted_stages
 from odeify.models import DEFAULT_MODEL_PATH, load_digits
 from odeify.tableaus import TABLEAUS, ReversibleHeun, Tableau
 

@@ -19,7 +19,7 @@ import torch
 
 import odeify
 from odeify.bases import get_basis
-from odeify.convert import converted_stages
+from odeify.conversion import converted_stages
 from odeify.emit import count_evaluations
 
 SHAPE = (1, 3, 64, 64)

@@ -21,7 +21,8 @@ from odeify.analysis import analyze_graph, input_shape_for, resolve_model
 from odeify.bases import fit_matrix, get_basis, validate_knots
 from odeify.errors import ConfigError
 from odeify.plan import Run
-from odeify.stage import ODEStage, validate_steps
+from odeify.settings import validate_steps
+from odeify.stage import ODEStage
 from odeify.tableaus import resolve_integrator
 from odeify.tracing import annotate_shapes, trace
 from passes.fold_bn import fold_batchnorm
