@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from odeify.errors import ConfigError
-from odeify.rerun import ParamGrads, autocast_state
+from odeify.rerun import ParamGrads, autocast_state, knot_window_inputs
 from odeify.reversible import integrate_reversible
 from odeify.rng_tape import Generators, Tape, record, replay
 
@@ -127,7 +127,7 @@ class _StageAdjoint(torch.autograd.Function):
             if mode == "checkpoint" and n % every == 0:
                 saved.extend(state)
             graph = stage.step_graph(n)
-            state, tape = record(graph, (*state, *(k[graph.knot_window] for k in knots)), rng)
+            state, tape = record(graph, (*state, *knot_window_inputs(graph, knots)), rng)
             tapes.append(tape)
         if mode == "reverse":
             saved = [x, *state]

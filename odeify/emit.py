@@ -235,7 +235,7 @@ def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
 
     ``forward`` steps from n to n+1; ``reverse`` approximately rebuilds step n's start from its
     end by stepping backward (explicit tableaus). The knot inputs are the stacks' rows
-    ``gm.knot_window`` (see :func:`knot_window_inputs`).
+    ``gm.knot_window`` (see :func:`odeify.rerun.knot_window_inputs`).
     """
     if isinstance(stage.integrator, ReversibleHeun):
         if kind != "forward":
@@ -252,12 +252,6 @@ def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
 def build_field_graph(stage: ODEStage, t: Fraction, left: bool = False) -> fx.GraphModule:
     """A graph module ``(x, knots...) -> F(t, x)`` for one time, over the knots it reads."""
     return _graph_over_knots(stage, "field", ("x",), lambda w, x: w.field(t, left, x, "t"))
-
-
-def knot_window_inputs(graph: fx.GraphModule, knots: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The knot inputs of a step or field graph: each stack's rows ``graph.knot_window``."""
-    window = graph.knot_window
-    return [k if (window.start, window.stop) == (0, len(k)) else k[window] for k in knots]
 
 
 def _graph_over_knots(stage: ODEStage, name: str, state: tuple[str, ...], write) -> fx.GraphModule:

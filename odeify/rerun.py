@@ -16,6 +16,12 @@ import torch.fx as fx
 from torch import Tensor
 
 
+def knot_window_inputs(graph: fx.GraphModule, knots: Sequence[Tensor]) -> list[Tensor]:
+    """The knot inputs of a step or field graph: each stack's rows ``graph.knot_window``."""
+    window = graph.knot_window
+    return [k if (window.start, window.stop) == (0, len(k)) else k[window] for k in knots]
+
+
 @dataclass
 class Rerun:
     """The parameter inputs of one re-run: ``knots`` to pass to the graph, ``wrt`` to differentiate."""
@@ -43,13 +49,13 @@ class ParamGrads:
 
     def rerun(self, graph: fx.GraphModule, differentiate: bool = True) -> Rerun:
         """Knot inputs for one run of ``graph`` (fresh leaves when ``differentiate``)."""
-        window = graph.knot_window
+        # a fresh view per run: two runs at one point must not share a leaf (their grads would merge)
         knots = [
-            k[window].requires_grad_(need and differentiate)
+            k[graph.knot_window].requires_grad_(need and differentiate)
             for k, need in zip(self.knots, self.knot_needs, strict=True)
         ]
         wrt = [k for k in knots if k.requires_grad] + (self.extras if differentiate else [])
-        return Rerun(window, knots, wrt)
+        return Rerun(graph.knot_window, knots, wrt)
 
     def add(self, rerun: Rerun, grads: Sequence[Tensor | None]) -> None:
         """Add the gradients w.r.t. ``rerun.wrt`` (as returned by ``torch.autograd.grad``)."""

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from odeify.rerun import ParamGrads, autocast_state
+from odeify.rerun import ParamGrads, autocast_state, knot_window_inputs
 from odeify.rng_tape import Generators, record, replay
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class _ReversibleHeunAdjoint(torch.autograd.Function):
             z_in = z.to(x.dtype)
             for f in _fields_at(stage, m):
                 graph = stage.field_graph(f.t, f.left)
-                value, tapes[m, f.left] = record(graph, (z_in, *(k[graph.knot_window] for k in knots)), rng)
+                value, tapes[m, f.left] = record(graph, (z_in, *knot_window_inputs(graph, knots)), rng)
                 if f.ends_step:
                     b = _lattice(value, half_h, quantum)
                     y = y + a + b  # y_m = y_{m-1} + a_{m-1} + b_{m-1}

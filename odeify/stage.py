@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -196,9 +196,9 @@ class ODEStage(nn.Module):
 
     def run_graph(
         self, graph: fx.GraphModule, state: tuple[torch.Tensor, ...], knots: list[torch.Tensor] | None = None
-    ):
+    ) -> Any:
         """Run a step or field graph on ``state`` and the knot rows it reads (default knots: the stage's)."""
-        from odeify.emit import knot_window_inputs
+        from odeify.rerun import knot_window_inputs
 
         return graph(*state, *knot_window_inputs(graph, self.knot_tensors() if knots is None else knots))
 

@@ -222,10 +222,16 @@ def test_drop_path_is_replayed_by_checkpoint(drop_path_model) -> None:
     assert rel(other["x"], ref["x"]) > 1e-3  # other masks, other gradient: not vacuous
 
 
-def test_drop_path_is_replayed_by_reversible(drop_path_model) -> None:
-    """Stage level: the reference is the stage's own eager backprop."""
+@pytest.mark.parametrize("basis", ["constant", "linear"])
+def test_drop_path_is_replayed_by_reversible(drop_path_model, basis) -> None:
+    """Stage level: the reference is the stage's own eager backprop.
+
+    With DropPath every field evaluation is its own draw, so each point z_m runs two; on the linear
+    path between the 2 knots both read both knots, and their knot gradients must add, not merge.
+    """
     stage = copy.deepcopy(odeify.converted_stages(drop_path_model)[0])
-    stage.configure(integrator="reversible_heun")
+    stage.configure(integrator="reversible_heun", basis=basis)
+    assert stage.num_knots == 2
     x = torch.randn(4, 64, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref, after_ref = seeded(lambda: stage_grads(stage, "backprop", x, cot))
