@@ -3,8 +3,8 @@
 Reversible Heun (Kidger et al. 2021) keeps a pair (y, z) and is invertible in exact arithmetic.
 In floating point its inverse amplifies round-off, about 3x per step on an expansive stage, so
 fp32 gradients drifted 1e-3..1e-2 from backprop. Here the state lives on a fixed-point lattice:
-float64 multiples of a power of two q, 2^-bits of the input's largest magnitude (rounded up to a
-power of two; bits from :func:`lattice_bits`), and every increment is rounded to the lattice
+float64 multiples of a power of two q, 2^-bits of each sample's largest magnitude (rounded up to
+a power of two; bits from :func:`lattice_bits`), and every increment is rounded to the lattice
 ([.]) before it is added:
 
     a_n = [h/2 F(t_n, z_n)],     z_{n+1} = 2 y_n - z_n + 2 a_n,
@@ -93,10 +93,16 @@ def _fields_at(stage: ODEStage, m: int) -> list[_Field]:
 
 
 def _quantum(x: Tensor) -> Tensor:
-    """The lattice spacing for input ``x``: a power of two, 2^-bits of max|x| rounded up."""
-    _, exponent = torch.frexp(x.detach().abs().amax().double())
-    one = torch.ones((), dtype=torch.float64, device=x.device)
-    return torch.ldexp(one, exponent - lattice_bits(x.dtype))
+    """The lattice spacing per sample of ``x``: a power of two, 2^-bits of its max|x| rounded up.
+
+    Per sample (shape (N, 1, ..., 1)), so that a sample's result does not depend on the rest of
+    its batch: a data-parallel run and one process on the whole batch compute the same states.
+    """
+    magnitude = (
+        x.detach().abs().amax(dim=tuple(range(1, x.dim())), keepdim=True) if x.dim() > 1 else x.abs().amax()
+    )
+    _, exponent = torch.frexp(magnitude.double())
+    return torch.ldexp(torch.ones_like(magnitude, dtype=torch.float64), exponent - lattice_bits(x.dtype))
 
 
 def _lattice(value: Tensor, scale: float, quantum: Tensor) -> Tensor:

@@ -363,10 +363,10 @@ def test_saved_memory_is_flat_in_depth() -> None:
 
     state = stage_input(digits_stage(0, torch.float32), 2, torch.float32)
     state_bytes = state.numel() * state.element_size()
-    # reverse: x and x_N; reversible: (y_N, z_N) in float64 (4 fp32 states) and the lattice spacing
+    # reverse: x and x_N; reversible: (y_N, z_N) in float64 (4 fp32 states), a lattice spacing per sample
     for integrator, mode, size in [
         ("euler", "reverse", 2 * state_bytes),
-        ("reversible_heun", "reversible", 4 * state_bytes + 8),
+        ("reversible_heun", "reversible", 4 * state_bytes + 8 * len(state)),
     ]:
         sizes = [
             saved_bytes(digits_stage(0, torch.float32, knots=n, steps=n, integrator=integrator), mode)
@@ -408,6 +408,16 @@ def test_unknown_backward_mode(resnet18) -> None:
 def test_checkpoint_every_is_validated(every) -> None:
     with pytest.raises(ConfigError, match="checkpoint_every"):
         digits_stage(0, torch.float32).configure(checkpoint_every=every)
+
+
+def test_reversible_lattice_is_per_sample() -> None:
+    """A sample's result does not depend on its batch: a huge neighbour leaves it unchanged."""
+    stage = digits_stage(0, torch.float32, integrator="reversible_heun", backward="reversible")
+    x = stage_input(stage, 2, torch.float32).requires_grad_()
+    loud = x.detach().clone()
+    loud[1] *= 1e6  # with one spacing for the batch, sample 0 would sit on a 2e-4-coarse lattice
+    quiet_out, loud_out = stage(x)[0], stage(loud.requires_grad_())[0]
+    torch.testing.assert_close(loud_out, quiet_out, rtol=1e-6, atol=1e-6)
 
 
 def test_reversible_warns_once_when_its_field_is_not_deterministic() -> None:
