@@ -40,6 +40,7 @@ from baselines import torchdiffeq_euler_adjoint
 from machine import describe_machine
 from rich.console import Console
 from rich.table import Table
+from tables import markdown_table
 
 import odeify
 from odeify.fileio import atomic_write_bytes
@@ -392,9 +393,7 @@ def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repe
         "fp64' compares with that backprop run in float64 (fp32 runs only); the targets also compare",
         "fp32 backprop with itself run on one thread.",
         "",
-        "| " + " | ".join(headers(results)) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers(results)))) + "|",
-        *("| " + " | ".join(cells(r, results)) + " |" for r in results),
+        *markdown_table(headers(results), (cells(r, results) for r in results)),
         "",
         "Targets:",
         "",

@@ -20,6 +20,7 @@ import torch
 from machine import machine_info
 from rich.console import Console
 from rich.table import Table
+from tables import markdown_table
 from tqdm import tqdm
 
 import odeify
@@ -123,9 +124,7 @@ def markdown(rows: list[Row], command: str, info: dict[str, str], repeats: int) 
         "process CPU time of the analysis: on an idle machine it matches the wall time, so a gap between",
         "them shows time lost to other processes.",
         "",
-        "| " + " | ".join(HEADERS) + " |",
-        "|" + "|".join("---" if i < 3 else "---:" for i in range(len(HEADERS))) + "|",
-        *("| " + " | ".join(cells(row)) + " |" for row in rows),
+        *markdown_table(HEADERS, map(cells, rows), text_columns=3),
         "",
         verdict(rows) + ".",
         "",

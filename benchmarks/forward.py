@@ -28,6 +28,7 @@ import torch
 from machine import machine_info
 from rich.console import Console
 from rich.table import Table
+from tables import markdown_table
 from torch import nn
 from tqdm import tqdm
 
@@ -172,9 +173,7 @@ def markdown(rows: list[Row], original: float, args: argparse.Namespace, command
         "one per block). Weights are random (timing does not depend on them), so only the native",
         "variant's output is compared with timm's (max |out - timm| / max |timm|, below the table).",
         "",
-        "| " + " | ".join(HEADERS) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(HEADERS))) + "|",
-        *("| " + " | ".join(cells(row)) + " |" for row in rows),
+        *markdown_table(HEADERS, map(cells, rows)),
         "",
         verdict(rows) + ".",
         "",

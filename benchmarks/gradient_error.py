@@ -37,6 +37,7 @@ from baselines import torchdiffeq_euler_adjoint
 from machine import describe_machine
 from rich.console import Console
 from rich.table import Table
+from tables import markdown_table
 
 import odeify
 from odeify.adjoint import RECONSTRUCTION_TOLERANCE
@@ -254,9 +255,7 @@ def markdown(rows: list[Row], last: int, command: str, batch: int, seconds: floa
             "field (odeify's `ODEStage.field` at the exact grid time), same loss, against the same backprop",
             "reference; Euler rows only ('-' on Heun rows).",
             "",
-            "| " + " | ".join(HEADERS) + " |",
-            "|" + "|".join("---" if i < 2 else "---:" for i in range(len(HEADERS))) + "|",
-            *("| " + " | ".join(cells(r)) + " |" for r in rows),
+            *markdown_table(HEADERS, map(cells, rows)),
             "",
             "Observed rates (least-squares slope of log error vs log N), and torchdiffeq:",
             "",
