@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import machine_info
+from machine import describe_machine
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -113,7 +113,7 @@ def verdict(rows: list[Row]) -> str:
     )
 
 
-def markdown(rows: list[Row], command: str, info: dict[str, str], repeats: int) -> str:
+def markdown(rows: list[Row], command: str, repeats: int) -> str:
     lines = [
         "# Trace + analysis time vs one eager forward (seconds)",
         "",
@@ -130,9 +130,7 @@ def markdown(rows: list[Row], command: str, info: dict[str, str], repeats: int) 
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']} "
-        f"with {info['threads']} threads, Python {info['python']}; load average (1, 5, 15 min) at the end: "
-        f"{info['load']}.",
+        f"Machine: {describe_machine()}.",
         "",
     ]
     return "\n".join(lines)
@@ -163,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=None if sys.stdout.isatty() else 120).print(table)
 
     command = "python benchmarks/analyze.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
-    atomic_write_bytes(args.output, markdown(rows, command, machine_info(), args.repeats).encode())
+    atomic_write_bytes(args.output, markdown(rows, command, args.repeats).encode())
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

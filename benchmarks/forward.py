@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import machine_info
+from machine import describe_machine, machine_info
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -179,8 +179,7 @@ def markdown(rows: list[Row], original: float, args: argparse.Namespace, command
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']} with {info['threads']} "
-        f"threads, Python {info['python']}; load average (1, 5, 15 min) at the end: {info['load']}.",
+        f"Machine: {describe_machine()}.",
         "",
     ]
     return "\n".join(lines)
