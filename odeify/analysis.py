@@ -11,10 +11,10 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.errors import NoResidualBlocksError, OdeifyError
+from odeify.passes.residual_blocks import find_blocks
+from odeify.passes.runs import group_runs
 from odeify.plan import Plan
 from odeify.tracing import annotate_shapes, trace
-from passes.residual_blocks import find_blocks
-from passes.runs import group_runs
 
 
 def resolve_model(source: str | os.PathLike | nn.Module, **load_kwargs) -> tuple[nn.Module, str]:

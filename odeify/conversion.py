@@ -20,14 +20,14 @@ from torch import nn
 from odeify.analysis import analyze_graph, input_shape_for, resolve_model
 from odeify.bases import fit_matrix, get_basis, validate_knots
 from odeify.errors import ConfigError
+from odeify.passes.fold_bn import fold_batchnorm
+from odeify.passes.lift import lift_runs
+from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.plan import Run
 from odeify.settings import validate_steps
 from odeify.stage import ODEStage
 from odeify.tableaus import resolve_integrator
 from odeify.tracing import annotate_shapes, trace
-from passes.fold_bn import fold_batchnorm
-from passes.lift import lift_runs
-from passes.lower import lower_stages, raise_stages, stage_nodes
 
 StepsSpec = int | float | str | Mapping[str, int | float | str]
 KnotsSpec = int | str | Mapping[str, int | str]

@@ -20,8 +20,8 @@ from torch import nn
 from odeify.conversion import _change_knots, convert, converted_stages
 from odeify.errors import ModelLoadError
 from odeify.fileio import atomic_write_bytes
+from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.tableaus import ReversibleHeun, Tableau
-from passes.lower import lower_stages, raise_stages, stage_nodes
 
 RECIPE_KEY = "odeify_converted"
 

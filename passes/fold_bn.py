@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from odeify.passes.graph_utils import fetch_attr
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from odeify.errors import ConfigError
-from passes.graph_utils import fetch_attr
 
 PRESERVES_COMPUTATION = True
 

@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
+from odeify.passes.graph_utils import fetch_attr, skip_identity
+from odeify.passes.runs import block_node_list
 from torch import nn
 
 from odeify.plan import Run
 from odeify.stage import ODEStage, Slot
-from passes.graph_utils import fetch_attr, skip_identity
-from passes.runs import block_node_list
 
 PRESERVES_COMPUTATION = True
 

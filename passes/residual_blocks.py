@@ -11,10 +11,7 @@ import os
 
 import networkx as nx
 import torch.fx as fx
-
-from odeify.plan import Block
-from odeify.tracing import node_shape
-from passes.graph_utils import (
+from odeify.passes.graph_utils import (
     activation_of,
     data_graph,
     data_nodes,
@@ -24,6 +21,9 @@ from passes.graph_utils import (
     skip_identity,
     weight_expressions,
 )
+
+from odeify.plan import Block
+from odeify.tracing import node_shape
 
 META_KEY = "odeify"
 

@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import torch
 import torch.fx as fx
+from odeify.passes.graph_utils import fetch_attr, module_config
+from odeify.passes.residual_blocks import META_KEY
 
 from odeify.plan import Block, Discrete, Run
-from passes.graph_utils import fetch_attr, module_config
-from passes.residual_blocks import META_KEY
 
 
 def block_node_list(block: Block, nodes: dict[str, fx.Node]) -> list[fx.Node]:

@@ -15,6 +15,9 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from odeify.passes.graph_utils import live_nodes
+from odeify.passes.residual_blocks import META_KEY, find_blocks
+from odeify.passes.runs import block_node_list
 from timm.layers import DropPath
 from torch import nn
 
@@ -23,9 +26,6 @@ from odeify.analysis import analyze_graph, trace_and_annotate
 from odeify.errors import ModelLoadError, NoResidualBlocksError, TraceError
 from odeify.plan import Plan, Run
 from odeify.tracing import node_shape
-from passes.graph_utils import live_nodes
-from passes.residual_blocks import META_KEY, find_blocks
-from passes.runs import block_node_list
 
 # --- helpers ---------------------------------------------------------------------------------------
 

@@ -12,16 +12,16 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Iterator
 
+import odeify.passes as passes
 import pytest
 import torch
 import torch.fx as fx
+from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm
+from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from torch import nn
 
 import odeify
-import passes
 from odeify.tracing import annotate_shapes, trace
-from passes.fold_bn import FoldedNorm, fold_batchnorm
-from passes.lower import lower_stages, raise_stages, stage_nodes
 
 SHAPE = (2, 3, 48, 48)  # small, yet every stage keeps a spatial extent above 1x1
 MODELS: dict[str, tuple[str, dict]] = {
@@ -73,9 +73,9 @@ def _apply_lower(model: nn.Module, cache: dict) -> Applied:
 
 
 REGISTRY: dict[str, Apply] = {
-    "passes.fold_bn": _apply_fold_bn,
-    "passes.lift": _apply_lift,
-    "passes.lower": _apply_lower,
+    "odeify.passes.fold_bn": _apply_fold_bn,
+    "odeify.passes.lift": _apply_lift,
+    "odeify.passes.lower": _apply_lower,
 }
 """Pass module -> how to apply it to a copy of an eval-mode fp64 model."""
 
@@ -89,7 +89,7 @@ def shared() -> dict[str, dict]:
 def _declaring_modules() -> list[str]:
     """The modules under passes/ that declare ``PRESERVES_COMPUTATION = True``."""
     found = []
-    for info in pkgutil.iter_modules(passes.__path__, prefix="passes."):
+    for info in pkgutil.iter_modules(passes.__path__, prefix="odeify.passes."):
         module = importlib.import_module(info.name)
         if getattr(module, "PRESERVES_COMPUTATION", False) is True:
             found.append(info.name)
@@ -98,7 +98,7 @@ def _declaring_modules() -> list[str]:
 
 def test_every_declaring_pass_is_registered() -> None:
     declaring = set(_declaring_modules())
-    assert {"passes.fold_bn", "passes.lift", "passes.lower"} <= declaring
+    assert {"odeify.passes.fold_bn", "odeify.passes.lift", "odeify.passes.lower"} <= declaring
     missing = sorted(declaring - set(REGISTRY))
     assert not missing, f"passes declaring PRESERVES_COMPUTATION with no entry in REGISTRY: {missing}"
     stale = sorted(set(REGISTRY) - declaring)
