@@ -43,6 +43,7 @@ from rich.table import Table
 from tables import markdown_table
 
 import odeify
+from odeify._testing import make_test_model
 from odeify.fileio import atomic_write_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -223,7 +224,7 @@ def reset_peak_rss() -> None:
 # -- the parent: build stages, spawn children, compare gradients, report -------------------------
 def build_stages(steps: list[int], folder: Path) -> dict[int, Path]:
     """resnet50's layer3 on a linear weight path, refined to N knots and N steps, saved per N."""
-    gm = odeify.convert(odeify.make_test_model("resnet50"), input_size=(1, 3, 224, 224))
+    gm = odeify.convert(make_test_model("resnet50"), input_size=(1, 3, 224, 224))
     gm = odeify.retarget(gm, basis="linear")
     paths = {}
     for n in steps:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import odeify
 from odeify.fileio import atomic_write_bytes
-from odeify.models import load_model
+from odeify.loading import load_model
 
 DEFAULT_MODELS = ("resnet50", "resnet152")
 INPUT_SHAPE = (1, 3, 224, 224)

@@ -33,6 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 import odeify
+from odeify._testing import make_test_model
 from odeify.conversion import converted_stages
 from odeify.emit import count_evaluations
 from odeify.fileio import atomic_write_bytes
@@ -102,7 +103,7 @@ def timed(module: nn.Module, x: torch.Tensor) -> float:
 def run(args: argparse.Namespace) -> tuple[list[Row], float]:
     torch.set_num_threads(args.threads)
     shape = (args.batch, 3, args.size, args.size)
-    model = odeify.make_test_model(args.model).eval()  # non-trivial random weights; timing ignores them
+    model = make_test_model(args.model).eval()  # non-trivial random weights; timing ignores them
     native = odeify.convert(model, input_size=shape).eval()
     modules = {"original": model}
     built = []

@@ -41,8 +41,9 @@ from tables import markdown_table
 
 import odeify
 from odeify.adjoint import RECONSTRUCTION_TOLERANCE
+from odeify.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.fileio import atomic_write_bytes
-from odeify.models import DEFAULT_MODEL_PATH, load_digits, load_model
+from odeify.loading import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = {"smooth": "cubic", "native": "constant"}  # field: basis over the native knots

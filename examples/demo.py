@@ -22,9 +22,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 import odeify
+from odeify.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.emit import count_evaluations
 from odeify.fileio import atomic_write_bytes
-from odeify.models import DEFAULT_MODEL_PATH, load_digits
 from odeify.report import format_plan_table
 
 console = Console(width=None if sys.stdout.isatty() else 120)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
 
 import odeify
-from odeify.models import DEFAULT_MODEL_PATH, load_digits
+from odeify.digits import DEFAULT_MODEL_PATH, load_digits
 
 
 def setup() -> tuple[int, int, torch.device]:

@@ -29,8 +29,7 @@ _EXPORTS = {
     "TraceError": "odeify.errors",
     "load": "odeify.io",
     "save": "odeify.io",
-    "load_model": "odeify.models",
-    "make_test_model": "odeify.models",
+    "load_model": "odeify.loading",
     "Block": "odeify.plan",
     "Plan": "odeify.plan",
     "Run": "odeify.plan",
@@ -67,8 +66,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
     from odeify.errors import TraceError as TraceError
     from odeify.io import load as load
     from odeify.io import save as save
-    from odeify.models import load_model as load_model
-    from odeify.models import make_test_model as make_test_model
+    from odeify.loading import load_model as load_model
     from odeify.plan import Block as Block
     from odeify.plan import Plan as Plan
     from odeify.plan import Run as Run

@@ -19,7 +19,7 @@ from odeify.tracing import annotate_shapes, trace
 
 def resolve_model(source: str | os.PathLike | nn.Module, **load_kwargs) -> tuple[nn.Module, str]:
     """An eval-mode module and a display name, from a module, a timm name or a checkpoint path."""
-    from odeify.models import load_model
+    from odeify.loading import load_model
 
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
@@ -32,7 +32,7 @@ def resolve_model(source: str | os.PathLike | nn.Module, **load_kwargs) -> tuple
 
 def input_shape_for(model: nn.Module, input_size: Sequence[int] | None) -> tuple[int, ...]:
     """Validate a user-given input size; default to the model's pretrained config."""
-    from odeify.models import default_input_size
+    from odeify.timm_interface import default_input_size
 
     if input_size is None:
         return tuple(default_input_size(model))

@@ -195,7 +195,7 @@ def _knots(text: str) -> str | int:
 def _load(args: argparse.Namespace) -> tuple[nn.Module, str, tuple[int, ...]]:
     """The model, its display name and the validated input shape."""
     from odeify.analysis import input_shape_for
-    from odeify.models import load_model
+    from odeify.loading import load_model
 
     if args.input_size is not None and len(args.input_size) not in (3, 4):
         raise OdeifyError(

@@ -49,7 +49,7 @@ def convert(
     """Compile a residual network into a GraphModule whose runs are ODE stages.
 
     ``model`` is a module, a timm name or a checkpoint path (``load_kwargs`` go to
-    :func:`odeify.models.load_model`, e.g. ``pretrained=True``). ``steps`` and ``knots`` take an
+    :func:`odeify.loading.load_model`, e.g. ``pretrained=True``). ``steps`` and ``knots`` take an
     int, ``"native"`` (the run's block count), a float depth multiplier (steps only) or a dict
     {stage name: value}. With the defaults the result reproduces the model exactly.
     """

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from odeify.models import make_test_model
+from odeify._testing import make_test_model
 
 
 @pytest.fixture(scope="module")

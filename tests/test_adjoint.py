@@ -14,8 +14,10 @@ from torch import nn
 
 import odeify
 from odeify import adjoint, rerun
+from odeify._testing import make_test_model
+from odeify.digits import DEFAULT_MODEL_PATH
 from odeify.errors import ConfigError
-from odeify.models import DEFAULT_MODEL_PATH, load_model
+from odeify.loading import load_model
 
 TOL = {  # relative gradient error allowed vs backprop: (checkpoint, reversible)
     torch.float64: (1e-12, 1e-10),
@@ -67,7 +69,7 @@ def stage_input(stage: odeify.ODEStage, batch: int, dtype: torch.dtype, seed: in
 @pytest.fixture(scope="module")
 def resnet18() -> dict[torch.dtype, torch.fx.GraphModule]:
     return {
-        dtype: odeify.convert(odeify.make_test_model("resnet18", dtype=dtype), input_size=(1, 3, 32, 32))
+        dtype: odeify.convert(make_test_model("resnet18", dtype=dtype), input_size=(1, 3, 32, 32))
         for dtype in (torch.float64, torch.float32)
     }
 
@@ -92,7 +94,7 @@ def test_checkpoint_and_reversible_match_backprop_on_resnet18(resnet18, dtype) -
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_resnet50_layer3_stage_matches_backprop(dtype) -> None:
     """The 5-block bottleneck stage of resnet50, run alone at its native input shape (small spatially)."""
-    gm = odeify.convert(odeify.make_test_model("resnet50", dtype=dtype), input_size=(1, 3, 64, 64))
+    gm = odeify.convert(make_test_model("resnet50", dtype=dtype), input_size=(1, 3, 64, 64))
     stage = next(s for s in odeify.converted_stages(gm) if s.stage_name == "layer3")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1024, 4, 4, generator=g, dtype=dtype).relu()

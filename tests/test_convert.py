@@ -20,10 +20,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import odeify
+from odeify._testing import make_test_model
 from odeify.bases import MAX_KNOTS
 from odeify.conversion import converted_stages
+from odeify.digits import DIGITS_ARCH
 from odeify.errors import ConfigError
-from odeify.models import DIGITS_ARCH
 from odeify.tableaus import KNOWN_INTEGRATORS, Tableau
 
 SHAPE = (1, 3, 64, 64)  # small: exactness does not depend on the spatial size
@@ -122,7 +123,7 @@ DIGITS_SHAPE = (1, 1, 32, 32)
 
 @pytest.fixture(scope="module")
 def digits() -> nn.Module:
-    return odeify.make_test_model(DIGITS_ARCH)
+    return make_test_model(DIGITS_ARCH)
 
 
 @pytest.fixture(scope="module")

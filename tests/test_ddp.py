@@ -18,7 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import odeify
-from odeify.models import DEFAULT_MODEL_PATH, load_model
+from odeify.digits import DEFAULT_MODEL_PATH
+from odeify.loading import load_model
 
 WORLD = 2
 BATCH = 8

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import odeify
-from odeify.models import DEFAULT_MODEL_PATH
+from odeify.digits import DEFAULT_MODEL_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 

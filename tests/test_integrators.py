@@ -27,7 +27,7 @@ from torch import nn
 
 import odeify
 from odeify.conversion import converted_stages
-from odeify.models import DEFAULT_MODEL_PATH, load_digits
+from odeify.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.tableaus import TABLEAUS, ReversibleHeun, Tableau
 
 # steps per integrator: multiples of the stage depth (4) in the asymptotic range of each method

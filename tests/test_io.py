@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import odeify
+from odeify.checkpoints import save_checkpoint
+from odeify.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.errors import ModelLoadError
 from odeify.io import load, save
-from odeify.models import DEFAULT_MODEL_PATH, load_digits, save_checkpoint
 
 
 @pytest.fixture(scope="module")

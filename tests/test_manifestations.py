@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import odeify
+from odeify._testing import make_test_model
 from odeify.bases import get_basis
 from odeify.conversion import converted_stages
 from odeify.emit import count_evaluations
@@ -37,7 +38,7 @@ def resnet152():
     threads = torch.get_num_threads()  # module fixtures run before the autouse one
     torch.set_num_threads(1)
     try:
-        model = odeify.make_test_model("resnet152")
+        model = make_test_model("resnet152")
         converted = odeify.convert(model, input_size=SHAPE)
     finally:
         torch.set_num_threads(threads)

@@ -1,4 +1,4 @@
-"""Tests for odeify.models (names/checkpoints -> modules) and odeify.fileio (atomic writes)."""
+"""Tests for odeify.loading and odeify.checkpoints (names/files -> modules) and odeify.fileio."""
 
 from __future__ import annotations
 
@@ -11,19 +11,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from odeify._testing import make_test_model
+from odeify.checkpoints import read_checkpoint_metadata, save_checkpoint
+from odeify.digits import DEFAULT_MODEL_PATH, DIGITS_ARCH, digits_split, load_digits
 from odeify.errors import ModelLoadError, OdeifyError
 from odeify.fileio import atomic_path, atomic_write_bytes
-from odeify.models import (
-    DEFAULT_MODEL_PATH,
-    DIGITS_ARCH,
-    default_input_size,
-    digits_split,
-    load_digits,
-    load_model,
-    make_test_model,
-    read_checkpoint_metadata,
-    save_checkpoint,
-)
+from odeify.loading import load_model
+from odeify.timm_interface import default_input_size
 
 
 def _digits_test_model(seed: int = 0, **kwargs: object) -> nn.Module:

@@ -10,8 +10,8 @@ from rich.console import Console
 from torch import nn
 
 import odeify
+from odeify._testing import make_test_model
 from odeify.errors import ConfigError
-from odeify.models import make_test_model
 from odeify.report import (
     ConversionReport,
     describe,
