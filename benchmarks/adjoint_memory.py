@@ -229,7 +229,7 @@ def build_stages(steps: list[int], folder: Path) -> dict[int, Path]:
     paths = {}
     for n in steps:
         refined = odeify.retarget(gm, knots={STAGE: n}, steps={STAGE: n})
-        stage = next(s for s in odeify.converted_stages(refined) if s.stage_name == STAGE)
+        stage = next(s for s in odeify.converted_stages(refined) if s.stage_name == STAGE).standalone()
         paths[n] = folder / f"stage{n}.pt"
         torch.save(stage, paths[n])
     return paths

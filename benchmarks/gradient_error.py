@@ -76,7 +76,7 @@ def stage_and_input(basis: str, batch: int) -> tuple[odeify.ODEStage, torch.Tens
     """The digits model's first stage read with ``basis``, and its input on ``batch`` test images."""
     gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).double(), backward="checkpoint")
     gm = odeify.retarget(gm, basis=basis)
-    stage = odeify.converted_stages(gm)[0]
+    stage = odeify.converted_stages(gm)[0].standalone()
     captured = []
     handle = stage.register_forward_pre_hook(lambda _, args: captured.append(args[0]))
     with torch.no_grad():

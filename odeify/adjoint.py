@@ -31,23 +31,21 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from odeify.emit import step_graph
 from odeify.errors import ConfigError
+from odeify.ir import StageIR
 from odeify.rerun import ParamGrads, autocast_state, knot_window_inputs
 from odeify.reversible import integrate_reversible
 from odeify.rng_tape import Generators, Tape, record, replay
 
-if TYPE_CHECKING:
-    from odeify.stage import ODEStage
-
-__all__ = ["RECONSTRUCTION_TOLERANCE", "AdjointStats", "integrate_with_adjoint"]
+__all__ = ["RECONSTRUCTION_TOLERANCE", "integrate_with_adjoint"]
 
 RECONSTRUCTION_TOLERANCE = 1e-3
 """Largest relative one-step reconstruction error ``||step(rebuilt x_n) - x_{n+1}|| / ||x_{n+1}||``
@@ -60,30 +58,7 @@ MEMORY_FREE_MODES = ("checkpoint", "reverse", "reversible")
 State = tuple[Tensor, ...]
 
 
-@dataclass
-class AdjointStats:
-    """What a stage's memory-saving backward passes did; read ``stage.adjoint_stats`` after backward.
-
-    ``reverse``: ``last_errors[n]`` is the last pass's relative error in rebuilding step n's start
-    x'_n, ``||step_n(x'_n) - x'_{n+1}|| / ||x'_{n+1}||`` (0 for step 0, which starts from the saved
-    input; after a fallback, only the steps tried). ``reversible``: ``last_errors`` is one number,
-    the relative gap between the rebuilt y_0 and z_0, which the forward started equal: 0 when the
-    inverse rebuilt every state bit for bit. ``worst_error`` is the largest seen in any pass.
-    """
-
-    backward_passes: int = 0
-    fallbacks: int = 0
-    worst_error: float = 0.0
-    last_errors: list[float] = field(default_factory=list)
-    warned: bool = field(default=False, repr=False)  # reversible's inexact-rebuild warning, once
-
-    def record(self, errors: Sequence[Tensor]) -> None:
-        """Note one pass's errors (0-dim tensors, read here once: no device sync before)."""
-        self.last_errors = torch.stack([e.float() for e in errors]).tolist()
-        self.worst_error = max(self.worst_error, *self.last_errors)
-
-
-def integrate_with_adjoint(stage: ODEStage, x: Tensor) -> Tensor:
+def integrate_with_adjoint(stage: StageIR, x: Tensor) -> Tensor:
     """Run ``stage`` on ``x`` with the memory-saving backward named by ``stage.backward``."""
     if stage.backward not in MEMORY_FREE_MODES:
         raise ConfigError(
@@ -101,7 +76,7 @@ def integrate_with_adjoint(stage: ODEStage, x: Tensor) -> Tensor:
     return _StageAdjoint.apply(stage, len(knots), x, *knots, *extras)
 
 
-def _check_batchnorm(stage: ODEStage) -> None:
+def _check_batchnorm(stage: StageIR) -> None:
     """Refuse train-mode BatchNorm: a re-run would update running stats twice, on other batch stats."""
     for name, module in stage.named_modules():
         if isinstance(module, _BatchNorm) and module.training:
@@ -117,7 +92,7 @@ class _StageAdjoint(torch.autograd.Function):
     """Inputs: the stage, how many knot tensors follow x, x, the knots, other trainable parameters."""
 
     @staticmethod
-    def forward(ctx: Any, stage: ODEStage, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx: Any, stage: StageIR, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
         mode, every, rng = stage.backward, stage.checkpoint_every, Generators(x.device)
         knots = list(params[:num_knots])
         state = stage.initial_state(x)
@@ -126,7 +101,7 @@ class _StageAdjoint(torch.autograd.Function):
         for n in range(stage.steps):
             if mode == "checkpoint" and n % every == 0:
                 saved.extend(state)
-            graph = stage.step_graph(n)
+            graph = step_graph(stage, n)
             state, tape = record(graph, (*state, *knot_window_inputs(graph, knots)), rng)
             tapes.append(tape)
         if mode == "reverse":
@@ -160,7 +135,7 @@ class _StageAdjoint(torch.autograd.Function):
 class _Backward:
     """One backward pass over a stage: re-runs steps, takes their VJPs, accumulates the gradients."""
 
-    def __init__(self, stage: ODEStage, grads: ParamGrads, needs_x: bool, tapes: list[Tape], rng: Generators):
+    def __init__(self, stage: StageIR, grads: ParamGrads, needs_x: bool, tapes: list[Tape], rng: Generators):
         self.stage, self.grads, self.needs_x, self.tapes, self.rng = stage, grads, needs_x, tapes, rng
         self.stats = stage.adjoint_stats
 
@@ -242,7 +217,7 @@ class _Backward:
     def _vjp(self, n: int, start: State, cotangent: list[Tensor | None]) -> tuple[State, list[Tensor | None]]:
         """Re-run step ``n`` from ``start`` with grad; returns its end state and its start's cotangents."""
         need_state = n > 0 or self.needs_x
-        graph = self.stage.step_graph(n)
+        graph = step_graph(self.stage, n)
         rerun = self.grads.rerun(graph)
         with torch.enable_grad():
             inputs = tuple(s.detach().requires_grad_(need_state) for s in start)
@@ -258,7 +233,7 @@ class _Backward:
 
     def _run(self, n: int, kind: str, state: State) -> State:
         """Step graph ``n`` of ``kind`` without grad, replaying the random draws step n made in forward."""
-        graph = self.stage.step_graph(n, kind)
+        graph = step_graph(self.stage, n, kind)
         rerun = self.grads.rerun(graph, differentiate=False)
         return replay(graph, (*state, *rerun.knots), self.tapes[n], self.rng)
 

@@ -14,7 +14,7 @@ from fractions import Fraction
 import torch
 import torch.fx as fx
 
-from odeify.stage import ODEStage, Slot
+from odeify.ir import CACHE_LOCK, Slot, StageIR
 from odeify.tableaus import ReversibleHeun, Tableau
 
 META_KEY = "odeify"
@@ -33,7 +33,7 @@ class StageWriter:
 
     def __init__(
         self,
-        stage: ODEStage,
+        stage: StageIR,
         graph: fx.Graph,
         prefix: str,
         knot_inputs: dict[str, fx.Node] | None = None,
@@ -87,11 +87,9 @@ class StageWriter:
             return self._knot(slot, nonzero[0][0])
         label = f"{self.tag}_{slot.name}_mix"
         if len(nonzero) > DENSE_MIX_ABOVE:
-            mix = self.attr("mix", "mix")
-            index = self.stage.mix_index(row)
-            if self.window != slice(0, self.stage.num_knots):
-                index = (index, self.window)
-            coeffs = self.node("call_function", operator.getitem, (mix, index))
+            # the row's coefficients over the window, as a constant list: no buffer to keep in sync
+            window_row = [float(c) for c in row[self.window]]
+            coeffs = self.node("call_method", "new_tensor", (stack, window_row), name=f"{label}_coeffs")
             return self.node("call_function", torch.tensordot, (coeffs, stack), {"dims": 1}, name=label)
         total = None
         for k, c in nonzero:
@@ -225,12 +223,12 @@ def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
     return x
 
 
-def build_unrolled_graph(stage: ODEStage) -> fx.GraphModule:
+def build_unrolled_graph(stage: StageIR) -> fx.GraphModule:
     """A graph module ``(x, knots...) -> x(1)``: the whole stage unrolled as lowering inlines it."""
     return _graph_over_knots(stage, "unrolled", ("x",), lambda w, x: write_stage(w, x))
 
 
-def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
+def build_step_graph(stage: StageIR, n: int, kind: str) -> fx.GraphModule:
     """A graph module ``(state..., knots...) -> state`` for step ``n``, over the knots it reads.
 
     ``forward`` steps from n to n+1; ``reverse`` approximately rebuilds step n's start from its
@@ -249,12 +247,12 @@ def build_step_graph(stage: ODEStage, n: int, kind: str) -> fx.GraphModule:
     )
 
 
-def build_field_graph(stage: ODEStage, t: Fraction, left: bool = False) -> fx.GraphModule:
+def build_field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
     """A graph module ``(x, knots...) -> F(t, x)`` for one time, over the knots it reads."""
     return _graph_over_knots(stage, "field", ("x",), lambda w, x: w.field(t, left, x, "t"))
 
 
-def _graph_over_knots(stage: ODEStage, name: str, state: tuple[str, ...], write) -> fx.GraphModule:
+def _graph_over_knots(stage: StageIR, name: str, state: tuple[str, ...], write) -> fx.GraphModule:
     """Build ``(state..., knot stacks...) -> write(writer, *state)`` taking only the knots it reads.
 
     The graph is written over the full stacks first to learn which knots it reads; if that is a
@@ -276,7 +274,7 @@ def _graph_over_knots(stage: ODEStage, name: str, state: tuple[str, ...], write)
 
 
 def _write_graph(
-    stage: ODEStage, state: tuple[str, ...], write, window: slice
+    stage: StageIR, state: tuple[str, ...], write, window: slice
 ) -> tuple[fx.Graph, StageWriter]:
     graph = fx.Graph()
     placeholders = [graph.placeholder(s) for s in state]
@@ -287,6 +285,31 @@ def _write_graph(
     return graph, writer
 
 
-def count_evaluations(stage: ODEStage) -> int:
+def unrolled_graph(stage: StageIR) -> fx.GraphModule:
+    """The stage's unrolled graph, built once per manifestation (see :meth:`StageIR.caches`)."""
+    return _cached(stage, "unrolled", lambda: build_unrolled_graph(stage))
+
+
+def step_graph(stage: StageIR, n: int, kind: str = "forward") -> fx.GraphModule:
+    """The graph of step ``n`` (``forward`` or approximate ``reverse``), built once per manifestation."""
+    return _cached(stage, (n, kind), lambda: build_step_graph(stage, n, kind))
+
+
+def field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+    """The graph of F(t, x) at an exact time, built once per manifestation."""
+    t = Fraction(t)
+    return _cached(stage, (t, left, "field"), lambda: build_field_graph(stage, t, left))
+
+
+def _cached(stage: StageIR, key: tuple | str, build) -> fx.GraphModule:
+    graphs = stage.caches().graphs
+    if key not in graphs:
+        with CACHE_LOCK:
+            if key not in graphs:
+                graphs[key] = build()
+    return graphs[key]
+
+
+def count_evaluations(stage: StageIR) -> int:
     """Field evaluations (NFE) of the unrolled stage."""
-    return stage.unrolled_graph().evaluations
+    return unrolled_graph(stage).evaluations

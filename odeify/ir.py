@@ -1,24 +1,26 @@
-"""``ODEStage``: one run of residual blocks as the ODE dx/dt = F(t, x) on t in [0, 1].
+"""The stage IR: one run of residual blocks as the ODE dx/dt = F(t, x) on t in [0, 1], as data.
 
-The stage holds a *template* of one block (an fx graph taking ``x`` and one tensor per weight
-slot), the knots (each slot's per-knot tensors stacked on a leading axis), and the manifestation
-(basis, integrator, steps, backward mode). Its computation is always written by
-:mod:`odeify.emit`: inlined into a model graph by the ``lower`` pass, or as small per-step graphs
-that this module runs eagerly (and that the adjoint modes re-run in backward).
+A :class:`StageIR` holds a *template* of one block (an fx graph taking ``x`` and one tensor per
+weight slot), the knots (each slot's per-knot tensors stacked on a leading axis), and the
+manifestation (basis, integrator, steps, backward mode), plus the exact basis coefficients the
+code generator asks for. It runs nothing: :mod:`odeify.emit` writes its computation as fx graphs
+and :class:`odeify.stage.ODEStage` (the runtime) executes them.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.adjoint import AdjointStats
 from odeify.bases import get_basis
+from odeify.errors import ConfigError
 from odeify.settings import (
     BackwardMode,
     validate_backward,
@@ -26,6 +28,12 @@ from odeify.settings import (
     validate_steps,
 )
 from odeify.tableaus import Integrator, ReversibleHeun, resolve_integrator
+
+CACHE_LOCK = threading.RLock()
+"""Serialises building a stage's graphs and rows: two threads running a cold stage must not race.
+
+One lock for all stages (a per-stage lock would not survive ``copy.deepcopy``); it is taken only
+while caches are built, never while a built graph runs."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +48,13 @@ class Slot:
     kind: Literal["param", "buffer", "shared"]
 
 
-class ODEStage(nn.Module):
-    """A run of ``depth`` residual blocks as one continuous-in-depth stage."""
+class StageIR(nn.Module):
+    """A run of ``depth`` residual blocks as one continuous-in-depth stage: template, knots, settings.
+
+    ``inlined`` is set by the ``lower`` pass while the stage's computation is written into a
+    converted model's own graph: that graph no longer calls the stage, so :meth:`configure` then
+    refuses (it could not take effect) and points to ``odeify.retarget`` / ``odeify.set_backward``.
+    """
 
     def __init__(
         self,
@@ -64,6 +77,7 @@ class ODEStage(nn.Module):
         self.slots = list(slots)
         self.form = form
         self.depth = depth
+        self.inlined = False
         self.knots = nn.ParameterDict()
         for slot in self.slots:
             tensor = tensors[slot.name]
@@ -73,10 +87,15 @@ class ODEStage(nn.Module):
                 self.register_buffer(f"{slot.kind}_{slot.name}", tensor)
         self.variants = nn.ModuleDict({key: nn.ModuleList(mods) for key, mods in (variants or {}).items()})
         self.variant_targets = {key.replace("__", "."): key for key in self.variants}
-        self.adjoint_stats = AdjointStats()  # what the memory-free backward modes did (odeify.adjoint)
         self.configure(
             basis=basis, integrator=integrator, steps=steps or depth, backward=backward, checkpoint_every=1
         )
+
+    def standalone(self) -> StageIR:
+        """A deep copy of this stage that runs on its own (``stage(x)``) and may be configured freely."""
+        twin = copy.deepcopy(self)
+        twin.inlined = False
+        return twin
 
     # -- configuration -------------------------------------------------------------------------
     def configure(
@@ -87,12 +106,18 @@ class ODEStage(nn.Module):
         steps: int | None = None,
         backward: BackwardMode | None = None,
         checkpoint_every: int | None = None,
-    ) -> ODEStage:
+    ) -> StageIR:
         """Set the manifestation: validates every setting first, so a refused call changes nothing.
 
         ``checkpoint_every=k`` makes ``backward='checkpoint'`` keep every k-th step's state and
         recompute the k - 1 steps between in backward (memory ~ steps/k + k states).
         """
+        if self.inlined:
+            raise ConfigError(
+                f"stage '{self.stage_name}' is inlined into a converted model's graph, so configuring it "
+                "in place would change nothing the model runs. Use odeify.retarget(model, ...) for a new "
+                "manifestation (a new module) or odeify.set_backward(model, mode) (in place)."
+            )
         current = (
             getattr(self, "basis", None),
             getattr(self, "integrator", None),
@@ -137,87 +162,35 @@ class ODEStage(nn.Module):
         """Every time-dependent tensor, in slot order: the inputs the step graphs take."""
         return [self.slot_tensor(s) for s in self.slots if s.kind != "shared"]
 
+    def initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The integrator's state at t = 0: (x,), or reversible Heun's pair (y, z) = (x, x)."""
+        return (x, x) if isinstance(self.integrator, ReversibleHeun) else (x,)
+
     # -- exact time bookkeeping ----------------------------------------------------------------
     def row(self, t: Fraction, left: bool) -> tuple[Fraction, ...]:
         """Basis coefficients over the knots at time ``t`` (left limit when ``left``), exactly."""
-        rows = self._cached().rows
+        rows = self.caches().rows
         if (t, left) not in rows:
-            rows[t, left] = tuple(get_basis(self.basis).coefficients(self.num_knots, t, left))
+            with CACHE_LOCK:
+                rows[t, left] = tuple(get_basis(self.basis).coefficients(self.num_knots, t, left))
         return rows[t, left]
-
-    def mix_index(self, row: tuple[Fraction, ...]) -> int:
-        """Index of a dense coefficient row in the ``mix`` buffer, registering it if new."""
-        index = self._cached().mix_index
-        if row not in index:
-            index[row] = len(index)
-            dtype = next((t.dtype for t in self.knot_tensors() if t.is_floating_point()), torch.float32)
-            device = next((t.device for t in self.knot_tensors()), torch.device("cpu"))
-            rows = sorted(index, key=index.__getitem__)
-            mix = torch.tensor([[float(c) for c in r] for r in rows], dtype=dtype, device=device)
-            self.register_buffer("mix", mix, persistent=False)
-        return index[row]
 
     def variant_index(self, t: Fraction, left: bool) -> int:
         """The original block whose per-block modules (DropPath rates) serve time ``t``."""
         return get_basis("constant").coefficients(self.depth, t, left).index(1)
 
-    # -- eager execution -----------------------------------------------------------------------
-    def unrolled_graph(self) -> fx.GraphModule:
-        """The whole stage as one unrolled graph ``x -> x(1)``, as lowering inlines it."""
-        from odeify.emit import build_unrolled_graph
+    def caches(self) -> StageCaches:
+        """The graphs and rows built for the current template, basis, integrator, steps and knot count.
 
-        graphs = self._cached().graphs
-        if "unrolled" not in graphs:
-            graphs["unrolled"] = build_unrolled_graph(self)
-        return graphs["unrolled"]
-
-    def step_graph(self, n: int, kind: str = "forward") -> fx.GraphModule:
-        """A graph module for one step (``forward``, or approximate ``reverse``) over its knot window."""
-        from odeify.emit import build_step_graph
-
-        graphs = self._cached().graphs
-        if (n, kind) not in graphs:
-            graphs[n, kind] = build_step_graph(self, n, kind)
-        return graphs[n, kind]
-
-    def field_graph(self, t: Fraction, left: bool = False) -> fx.GraphModule:
-        """A graph module ``(x, knot window...) -> F(t, x)`` at an exact time (left limit when ``left``)."""
-        from odeify.emit import build_field_graph
-
-        graphs = self._cached().graphs
-        key = (Fraction(t), left, "field")
-        if key not in graphs:
-            graphs[key] = build_field_graph(self, Fraction(t), left)
-        return graphs[key]
-
-    def field(self, t: Fraction, x: torch.Tensor, left: bool = False) -> torch.Tensor:
-        """F(t, x) evaluated eagerly at an exact time (a Fraction in [0, 1])."""
-        return self.run_graph(self.field_graph(t, left), (x,))
-
-    def run_graph(
-        self, graph: fx.GraphModule, state: tuple[torch.Tensor, ...], knots: list[torch.Tensor] | None = None
-    ) -> Any:
-        """Run a step or field graph on ``state`` and the knot rows it reads (default knots: the stage's)."""
-        from odeify.rerun import knot_window_inputs
-
-        return graph(*state, *knot_window_inputs(graph, self.knot_tensors() if knots is None else knots))
-
-    def initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (x, x) if isinstance(self.integrator, ReversibleHeun) else (x,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backward != "backprop" and torch.is_grad_enabled():
-            from odeify.adjoint import integrate_with_adjoint
-
-            return integrate_with_adjoint(self, x)
-        return self.run_graph(self.unrolled_graph(), (x,))
-
-    def _cached(self) -> _Caches:
-        """The graphs and rows built for the current basis, integrator, steps and knot count."""
-        signature = (self.basis, self.integrator, self.steps, self.num_knots)
-        if getattr(self, "_caches", None) is None or self._caches.signature != signature:
-            self._caches = _Caches(signature)
-        return self._caches
+        The template's code is part of the key, so editing the template after a forward (and
+        recompiling it, as fx requires) rebuilds the graphs instead of running stale ones.
+        """
+        signature = (self.template.code, self.basis, self.integrator, self.steps, self.num_knots)
+        caches = getattr(self, "_caches", None)
+        if caches is None or caches.signature != signature:
+            with CACHE_LOCK:
+                caches = self._caches = StageCaches(signature)
+        return caches
 
     def _apply(self, fn, *args, **kwargs):
         self._caches = None  # cached graphs hold references to modules and buffers that .to() replaces
@@ -232,16 +205,15 @@ class ODEStage(nn.Module):
 
 
 @dataclass
-class _Caches:
-    """What a stage builds for one (basis, integrator, steps, knot count): graphs, exact rows, mix rows."""
+class StageCaches:
+    """What a stage builds for one signature: graphs (by :mod:`odeify.emit`) and exact basis rows."""
 
-    signature: tuple
+    signature: tuple | None
     graphs: dict[tuple | str, fx.GraphModule] = field(default_factory=dict)
     rows: dict[tuple[Fraction, bool], tuple[Fraction, ...]] = field(default_factory=dict)
-    mix_index: dict[tuple[Fraction, ...], int] = field(default_factory=dict)
 
-    def __deepcopy__(self, memo: dict) -> _Caches:
-        return _Caches(None)  # a copied stage rebuilds its own (a GraphModule copy loses attributes)
+    def __deepcopy__(self, memo: dict) -> StageCaches:
+        return StageCaches(None)  # a copied stage rebuilds its own (a GraphModule copy loses attributes)
 
 
 def _may_draw_random(module: nn.Module) -> bool:

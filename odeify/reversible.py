@@ -34,17 +34,16 @@ import math
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from odeify.emit import field_graph
+from odeify.ir import StageIR
 from odeify.rerun import ParamGrads, autocast_state, knot_window_inputs
 from odeify.rng_tape import Generators, record, replay
-
-if TYPE_CHECKING:
-    from odeify.stage import ODEStage
 
 __all__ = ["integrate_reversible", "lattice_bits"]
 
@@ -62,7 +61,7 @@ def lattice_bits(dtype: torch.dtype) -> int:
     return min(precision + 8, 53 - HEADROOM_BITS)
 
 
-def integrate_reversible(stage: ODEStage, x: Tensor, knots: list[Tensor], extras: list[Tensor]) -> Tensor:
+def integrate_reversible(stage: StageIR, x: Tensor, knots: list[Tensor], extras: list[Tensor]) -> Tensor:
     """Run a reversible-Heun ``stage`` on ``x``; its backward rebuilds the states exactly."""
     return _ReversibleHeunAdjoint.apply(stage, len(knots), x, *knots, *extras)
 
@@ -77,7 +76,7 @@ class _Field:
     ends_step: bool  # B_{m-1} = F(t_m-, z_m), the last evaluation of step m - 1
 
 
-def _fields_at(stage: ODEStage, m: int) -> list[_Field]:
+def _fields_at(stage: StageIR, m: int) -> list[_Field]:
     """The evaluations at z_m in forward order (B_{m-1}, then A_m), one when they coincide."""
     t = Fraction(m, stage.steps)
     ends, starts = m > 0, m < stage.steps
@@ -114,7 +113,7 @@ class _ReversibleHeunAdjoint(torch.autograd.Function):
     """Inputs: the stage, how many knot tensors follow x, x, the knots, other trainable parameters."""
 
     @staticmethod
-    def forward(ctx: Any, stage: ODEStage, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx: Any, stage: StageIR, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
         knots, rng = params[:num_knots], Generators(x.device)
         half_h = 0.5 / stage.steps
         quantum = _quantum(x)
@@ -124,7 +123,7 @@ class _ReversibleHeunAdjoint(torch.autograd.Function):
         for m in range(stage.steps + 1):
             z_in = z.to(x.dtype)
             for f in _fields_at(stage, m):
-                graph = stage.field_graph(f.t, f.left)
+                graph = field_graph(stage, f.t, f.left)
                 value, tapes[m, f.left] = record(graph, (z_in, *knot_window_inputs(graph, knots)), rng)
                 if f.ends_step:
                     b = _lattice(value, half_h, quantum)
@@ -210,7 +209,7 @@ class _Backward:
         with torch.enable_grad():
             z_in = z.to(dtype).requires_grad_(need_z)
             for f in _fields_at(self.stage, m):
-                graph = self.stage.field_graph(f.t, f.left)
+                graph = field_graph(self.stage, f.t, f.left)
                 rerun = self.grads.rerun(graph)
                 value = replay(graph, (z_in, *rerun.knots), self.tapes[m, f.left], self.rng)
                 parts = [c for c, use in ((cot_start, f.starts_step), (cot_end, f.ends_step)) if use]

@@ -1,4 +1,4 @@
-"""Transformation pass: replace each run of L blocks by one ``ODEStage`` call.
+"""Transformation pass: replace each run of L blocks by one ``StageIR`` call.
 
 The stage's template is the first block's computation; its knots are the L blocks' tensors
 stacked per template slot, and float literals that differ between blocks (NF-ResNet's ``beta``)
@@ -15,16 +15,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
-from odeify.passes.graph_utils import fetch_attr, skip_identity
-from odeify.passes.runs import block_node_list
 from torch import nn
 
+from odeify.ir import Slot, StageIR
+from odeify.passes.graph_utils import fetch_attr, skip_identity
+from odeify.passes.runs import block_node_list
 from odeify.plan import Run
-from odeify.stage import ODEStage, Slot
 
 PRESERVES_COMPUTATION = True
 
-StageFactory = Callable[[Run, dict], ODEStage]
+StageFactory = Callable[[Run, dict], StageIR]
 
 
 class NotLiftable(Exception):
@@ -192,7 +192,7 @@ def _float_dtype(gm: fx.GraphModule) -> torch.dtype:
     return next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: ODEStage) -> fx.Node:
+def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: StageIR) -> fx.Node:
     """Swap the run's nodes for one ``call_module`` of the stage."""
     nodes = {n.name: n for n in gm.graph.nodes}
     gm.add_submodule(attribute, stage)

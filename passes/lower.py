@@ -1,6 +1,6 @@
 """Transformation passes between the two forms of a converted model.
 
-``lower_stages`` inlines each ``ODEStage`` call into an unrolled graph for its integrator and
+``lower_stages`` inlines each ``StageIR`` call into an unrolled graph for its integrator and
 steps; stages trained with a memory-saving backward mode stay one node, which calls the adjoint.
 ``raise_stages`` is the inverse: it collapses inlined stages back into single calls, so a
 converted model can be re-emitted for another manifestation without the original network.
@@ -11,18 +11,18 @@ from __future__ import annotations
 import torch.fx as fx
 
 from odeify.emit import META_KEY, StageWriter, write_stage
-from odeify.stage import ODEStage
+from odeify.ir import StageIR
 
 PRESERVES_COMPUTATION = True
 
 
-def stage_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, ODEStage]]:
-    """The ``call_module`` nodes of ``gm`` that call an ODEStage."""
+def stage_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, StageIR]]:
+    """The ``call_module`` nodes of ``gm`` that call an StageIR."""
     found = []
     for node in gm.graph.nodes:
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
-            if isinstance(module, ODEStage):
+            if isinstance(module, StageIR):
                 found.append((node, module))
     return found
 
@@ -37,6 +37,7 @@ def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
         out.meta["tensor_meta"] = node.meta.get("tensor_meta")
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
+        stage.inlined = True
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -44,9 +45,10 @@ def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
 
 def raise_stages(gm: fx.GraphModule) -> fx.GraphModule:
     """Collapse every inlined stage of ``gm`` back into one ``call_module`` node, in place."""
-    stages = {m.stage_name: name for name, m in gm.named_children() if isinstance(m, ODEStage)}
+    stages = {m.stage_name: name for name, m in gm.named_children() if isinstance(m, StageIR)}
     for stage_name, attribute in stages.items():
         members = [n for n in gm.graph.nodes if _inlined(n, stage_name)]
+        gm.get_submodule(attribute).inlined = False
         if not members:
             continue  # already a single call (non-backprop stage)
         inside = set(members)

@@ -56,7 +56,7 @@ def digits_stage(index: int, dtype: torch.dtype, *retargets: dict, **retarget) -
     gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).to(dtype))
     for settings in (*retargets, retarget):
         gm = odeify.retarget(gm, **settings) if settings else gm
-    return odeify.converted_stages(gm)[index]
+    return odeify.converted_stages(gm)[index].standalone()
 
 
 def stage_input(stage: odeify.ODEStage, batch: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -95,7 +95,7 @@ def test_checkpoint_and_reversible_match_backprop_on_resnet18(resnet18, dtype) -
 def test_resnet50_layer3_stage_matches_backprop(dtype) -> None:
     """The 5-block bottleneck stage of resnet50, run alone at its native input shape (small spatially)."""
     gm = odeify.convert(make_test_model("resnet50", dtype=dtype), input_size=(1, 3, 64, 64))
-    stage = next(s for s in odeify.converted_stages(gm) if s.stage_name == "layer3")
+    stage = next(s for s in odeify.converted_stages(gm) if s.stage_name == "layer3").standalone()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1024, 4, 4, generator=g, dtype=dtype).relu()
     cot = torch.randn(2, 1024, 4, 4, generator=g, dtype=dtype)
@@ -231,7 +231,7 @@ def test_drop_path_is_replayed_by_reversible(drop_path_model, basis) -> None:
     With DropPath every field evaluation is its own draw, so each point z_m runs two; on the linear
     path between the 2 knots both read both knots, and their knot gradients must add, not merge.
     """
-    stage = copy.deepcopy(odeify.converted_stages(drop_path_model)[0])
+    stage = odeify.converted_stages(drop_path_model)[0].standalone()
     stage.configure(integrator="reversible_heun", basis=basis)
     assert stage.num_knots == 2
     x = torch.randn(4, 64, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -248,7 +248,7 @@ def test_drop_path_is_replayed_by_reversible(drop_path_model, basis) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_replays_drop_path_and_keeps_the_cuda_stream(drop_path_model) -> None:
     """On a GPU the masks come from the CUDA generator: it is replayed and restored like the CPU one."""
-    stage = copy.deepcopy(odeify.converted_stages(drop_path_model)[0]).cuda()
+    stage = odeify.converted_stages(drop_path_model)[0].standalone().cuda()
     x = torch.randn(4, 64, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).cuda()
     cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).cuda()
 

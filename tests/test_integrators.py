@@ -59,7 +59,7 @@ def make_layer1(act_layer: type[nn.Module] | None, basis: str) -> tuple[odeify.O
     kwargs = {"act_layer": act_layer} if act_layer is not None else {}
     model = odeify.load_model(DEFAULT_MODEL_PATH, **kwargs).double()
     converted = odeify.convert(model, basis=basis, input_size=(2, 1, 32, 32))
-    stage = converted_stages(converted)[0]
+    stage = converted_stages(converted)[0].standalone()
     assert (stage.stage_name, stage.depth) == ("layer1", 4)
     x = load_digits("test")[0][:2].double()
     return stage, stage_input(model, x)
