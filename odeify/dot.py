@@ -55,6 +55,43 @@ def plan_to_dot(gm: fx.GraphModule, plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def converted_to_dot(gm: fx.GraphModule, title: str) -> str:
+    """The DOT source of a converted model: each ODE stage's nodes (its unrolled steps, or the one
+    call a memory-free stage makes) in a cluster labelled with the stage's manifestation."""
+    from odeify.conversion import converted_stages
+
+    stages = {stage.stage_name: stage for stage in converted_stages(gm)}
+    drawn = [n for n in gm.graph.nodes if n.op != "get_attr"]
+    members: dict[str, list[fx.Node]] = {name: [] for name in stages}
+    outside: list[fx.Node] = []
+    for node in drawn:
+        stage = node.meta.get(META_KEY, {}).get("stage")
+        (members[stage] if stage in members else outside).append(node)
+    lines = [
+        f"digraph {_quote(title)} {{",
+        "  rankdir=TB;",
+        '  node [shape=box, style="rounded,filled", fillcolor=white, fontname="Helvetica", fontsize=10];',
+        '  edge [color="#555555"];',
+    ]
+    lines.extend("  " + _node_line(gm, node, None) for node in outside)
+    for index, (name, stage) in enumerate(stages.items()):
+        label = (
+            f"{name}: {stage.integrator.name}, {stage.steps} steps, {stage.num_knots} {stage.basis} knots, "
+            f"backward {stage.backward}"
+        )
+        lines.append(f"  subgraph cluster_stage_{index} {{")
+        lines.append(f'    label={_quote(label)}; style=rounded; bgcolor="#e8f0fe"; color="#4a72c4";')
+        lines.extend("    " + _node_line(gm, node, None) for node in members[name])
+        lines.append("  }")
+    shown = {n.name for n in drawn}
+    for node in drawn:
+        for source in node.all_input_nodes:
+            if source.name in shown:
+                lines.append(f"  {_quote(source.name)} -> {_quote(node.name)};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
 def _node_line(gm: fx.GraphModule, node: fx.Node, fill: str | None) -> str:
     """One node statement: name, short op name and shape."""
     shape = node_shape(node)

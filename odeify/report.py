@@ -7,7 +7,7 @@ rich tables for people, plain dicts for JSON.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from rich.table import Table
@@ -197,3 +197,13 @@ def format_report_table(report: ConversionReport) -> Table:
             f"{s.parameters:,}",
         )
     return table
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]], text_columns: int = 2) -> list[str]:
+    """Lines of a markdown table; the first ``text_columns`` columns left-aligned, the rest right."""
+    rule = "|".join("---" if i < text_columns else "---:" for i in range(len(headers)))
+    return [
+        "| " + " | ".join(headers) + " |",
+        f"|{rule}|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
