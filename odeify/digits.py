@@ -97,11 +97,22 @@ def digits_resnet(
         "num_classes": num_classes,
         "mean": (DIGITS_MEAN,) * in_chans,
         "std": (DIGITS_STD,) * in_chans,
-        "first_conv": "conv1.0",
+        "first_conv": "conv1.0" if "deep" in stem_type else "conv1",
         "classifier": "fc",
     }
     model.pretrained_cfg = cfg
     model.default_cfg = cfg
+    # what timm's factory records for its own models (timm.models.get_model_args reads it back)
+    model._model_args = {
+        "layers": list(layers),
+        "channels": list(channels),
+        "stem_width": stem_width,
+        "stem_type": stem_type,
+        "in_chans": in_chans,
+        "num_classes": num_classes,
+        "img_size": img_size,
+        **kwargs,
+    }
     return model
 
 

@@ -1,0 +1,204 @@
+"""Checkpoints in: every way a timm user holds weights loads, checked against timm's own loaders.
+
+Files are made here with timm's tools (``tests/checkpoint_files.py``); the oracle for each format is
+what timm itself loads from the same file (``timm.models.load_checkpoint``, ``local-dir:`` models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import timm
+import torch
+from checkpoint_files import hf_folder, plain_pth, plain_safetensors, train_checkpoint
+from timm.models import load_checkpoint
+from torch import nn
+
+import odeify.loading
+from odeify._testing import make_test_model
+from odeify.checkpoints import META_ARCH, META_KWARGS
+from odeify.errors import ModelLoadError
+from odeify.loading import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _x(chans: int = 3) -> torch.Tensor:
+    return torch.randn(2, chans, 32, 32, generator=torch.Generator().manual_seed(3))
+
+
+def _same_outputs(a: nn.Module, b: nn.Module, chans: int = 3) -> bool:
+    with torch.no_grad():
+        return torch.equal(a.eval()(_x(chans)), b.eval()(_x(chans)))
+
+
+@pytest.fixture(scope="module")
+def r18() -> nn.Module:
+    return make_test_model("resnet18", num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def train_file(r18: nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_checkpoint(r18, tmp_path_factory.mktemp("train"), "resnet18", num_classes=10)
+
+
+def _timm_loaded(path: Path, use_ema: bool) -> nn.Module:
+    """What timm's own loader makes of a training checkpoint (the oracle)."""
+    model = timm.create_model("resnet18", num_classes=10)
+    load_checkpoint(model, str(path), use_ema=use_ema)
+    return model.eval()
+
+
+def test_train_py_checkpoint_names_its_arch_and_head(train_file: Path) -> None:
+    loaded = load_model(train_file)  # no arch=, no num_classes=: the checkpoint's arch and args say
+    assert not loaded.training and loaded.num_classes == 10
+    assert _same_outputs(loaded, _timm_loaded(train_file, use_ema=False))
+    assert not _same_outputs(loaded, _timm_loaded(train_file, use_ema=True))  # the EMA weights differ
+
+
+def test_train_py_checkpoint_ema_weights(train_file: Path, r18: nn.Module) -> None:
+    assert _same_outputs(load_model(train_file, ema=True), _timm_loaded(train_file, use_ema=True))
+    on_name = load_model("resnet18", checkpoint=train_file, ema=True)  # weights for a timm name
+    assert _same_outputs(on_name, _timm_loaded(train_file, use_ema=True))
+    fresh = make_test_model("resnet18", num_classes=10, seed=5)
+    assert _same_outputs(load_model(fresh, checkpoint=train_file), _timm_loaded(train_file, use_ema=False))
+
+
+def test_missing_ema_weights_are_named(tmp_path: Path, r18: nn.Module) -> None:
+    path = tmp_path / "w.pth"
+    torch.save({"state_dict": r18.state_dict(), "epoch": 3}, path)
+    with pytest.raises(ModelLoadError, match="no EMA weights") as info:
+        load_model(path, arch="resnet18", ema=True)
+    assert "--ema" in str(info.value)
+    with pytest.raises(ModelLoadError, match="checkpoint="):
+        load_model("resnet18", ema=True)
+
+
+@pytest.mark.parametrize("writer", [plain_pth, plain_safetensors], ids=["pth", "safetensors"])
+def test_plain_state_dict_needs_arch_and_reads_the_head(tmp_path: Path, writer) -> None:
+    model = make_test_model("resnet18", num_classes=7)
+    path = writer(model, tmp_path / f"r18{'.pth' if writer is plain_pth else '.safetensors'}")
+    with pytest.raises(ModelLoadError, match="arch=") as info:
+        load_model(path)
+    assert "--arch resnet18" in str(info.value)
+    with pytest.warns(UserWarning, match=r"num_classes=7 \(from fc.weight \(7, 512\)\)"):
+        loaded = load_model(path, arch="resnet18")
+    assert loaded.num_classes == 7 and _same_outputs(loaded, model)
+    explicit = load_model(path, arch="resnet18", num_classes=7)  # no warning needed
+    assert _same_outputs(explicit, model)
+    with pytest.raises(ModelLoadError, match="shape mismatch") as info:
+        load_model(path, arch="resnet18", num_classes=5)
+    assert "fc.weight" in str(info.value) and "--num-classes" in str(info.value)
+
+
+def test_wrapped_state_dicts_are_cleaned(tmp_path: Path) -> None:
+    model = make_test_model("resnet18", num_classes=7)
+    path = tmp_path / "ddp.pt"
+    torch.save({"model": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
+    assert _same_outputs(load_model(path, arch="resnet18", num_classes=7), model)
+
+
+def test_hugging_face_folder(tmp_path: Path) -> None:
+    model = make_test_model("resnet18", num_classes=5, in_chans=1)
+    folder = hf_folder(model, tmp_path / "r18-gray")
+    loaded = load_model(folder)
+    timm_loaded = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()  # timm's own reading
+    assert _same_outputs(loaded, timm_loaded, chans=1) and _same_outputs(loaded, model, chans=1)
+    for key in ("input_size", "mean", "std", "crop_pct", "interpolation", "num_classes"):
+        assert _plain(loaded.pretrained_cfg[key]) == _plain(timm_loaded.pretrained_cfg[key]), key
+    assert timm.data.resolve_model_data_config(loaded)["mean"] == (0.449,)  # the folder's 1-channel mean
+
+
+def _plain(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
+
+
+class _Payload:
+    """Unpickling this would write a file: the refusal test checks that it never does."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_pickled_objects_are_refused_without_running_them(tmp_path: Path, r18: nn.Module) -> None:
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "evil.pth.tar"
+    torch.save({"state_dict": r18.state_dict(), "arch": "resnet18", "hook": _Payload(str(marker))}, path)
+    with pytest.raises(ModelLoadError, match="does not unpickle") as info:
+        load_model(path)
+    assert "pathlib" in str(info.value)  # names what it refused
+    assert not marker.exists()
+
+
+def test_directory_and_fifo_say_what_they_are(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="is a directory") as info:
+        load_model(tmp_path, arch="resnet18")
+    assert "config.json" in str(info.value)
+    fifo = tmp_path / "pipe.pth"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelLoadError, match="named pipe"):
+        load_model(fifo, arch="resnet18")
+    with pytest.raises(ModelLoadError, match="named pipe"):
+        load_model("resnet18", checkpoint=fifo)
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(tmp_path / "nope.safetensors")
+
+
+def test_build_kwargs_from_files_are_allowlisted(tmp_path: Path, r18: nn.Module) -> None:
+    state = {k: v.contiguous() for k, v in r18.state_dict().items()}
+    cases = {
+        "checkpoint_path": {"checkpoint_path": "/etc/passwd"},
+        "pretrained": {"pretrained": True},
+        "layers": {"layers": [20000, 4]},
+        "must be a JSON object": ["num_classes", 10],
+    }
+    for expected, kwargs in cases.items():
+        path = tmp_path / "k.safetensors"
+        meta = {META_ARCH: "resnet18", META_KWARGS: json.dumps(kwargs)}
+        safetensors.torch.save_file(state, str(path), metadata=meta)
+        started = time.perf_counter()
+        with pytest.raises(ModelLoadError, match=expected):
+            load_model(path)
+        assert time.perf_counter() - started < 5
+    train = tmp_path / "t.pth.tar"
+    args = argparse.Namespace(model="resnet18", num_classes=10, model_kwargs={"pretrained_cfg": {}})
+    torch.save({"state_dict": r18.state_dict(), "arch": "resnet18", "args": args}, train)
+    with pytest.raises(ModelLoadError, match="pretrained_cfg"):
+        load_model(train)
+
+
+def test_pretrained_offline_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(odeify.loading, "_cached_hub_weights", lambda repo: None)  # as on a fresh machine
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE") as info:
+        load_model("resnet18", pretrained=True)
+    assert time.perf_counter() - started < 3
+    msg = str(info.value)
+    assert "checkpoint=" in msg and "odeify convert resnet18 --checkpoint" in msg and "--arch resnet18" in msg
+    # no HF_HUB_OFFLINE: a hub whose name does not resolve, or that never answers, is found out in seconds
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="hub.invalid, but it is not reachable"):
+        load_model("resnet18", pretrained=True)
+    assert time.perf_counter() - started < 3
+
+    def silent(*args: object, **kwargs: object) -> None:
+        time.sleep(30)
+
+    monkeypatch.setattr(urllib.request, "urlopen", silent)
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="did not answer within 2 s"):
+        load_model("resnet18", pretrained=True)
+    assert time.perf_counter() - started < odeify.loading.PROBE_TIMEOUT_S + 2
