@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.bases import get_basis
+from odeify.budget import check_graph_nodes
 from odeify.errors import ConfigError
 from odeify.settings import (
     BackwardMode,
@@ -128,7 +129,11 @@ class StageIR(nn.Module):
         new_steps = validate_steps(steps, self.stage_name) if steps is not None else current[2]
         new_backward = validate_backward(backward if backward is not None else self.backward, new_integrator)
         if checkpoint_every is not None:
-            self.checkpoint_every = validate_checkpoint_every(checkpoint_every, self.stage_name)
+            checkpoint_every = validate_checkpoint_every(checkpoint_every, self.stage_name)
+        evaluations = 2 if isinstance(new_integrator, ReversibleHeun) else new_integrator.stages
+        check_graph_nodes(self.stage_name, new_steps, evaluations, len(self.template.graph.nodes))
+        if checkpoint_every is not None:
+            self.checkpoint_every = checkpoint_every
         self.basis, self.integrator, self.steps, self.backward = (
             new_basis,
             new_integrator,
