@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -24,6 +22,7 @@ from odeify.passes.fold_bn import fold_batchnorm
 from odeify.passes.lift import lift_runs
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.plan import Run
+from odeify.recipe import record_conversion
 from odeify.settings import validate_steps
 from odeify.stage import ODEStage
 from odeify.tableaus import resolve_integrator
@@ -92,25 +91,8 @@ def convert(
 
     with torch.no_grad():
         gm, skipped = lift_runs(gm, plan.runs, make_stage)
-    gm.meta[META] = {
-        "source": _source_reference(model),
-        "load_kwargs": {k: v for k, v in load_kwargs.items() if k not in ("pretrained", "checkpoint")},
-        "name": name,
-        "input_shape": list(shape),
-        "original_parameters": sum(p.numel() for p in module.parameters()),
-        "not_lifted": skipped,
-    }
+    gm = record_conversion(gm, module, plan, skipped)  # what rebuilds it, and its timm interface
     return lower_stages(gm).train(module.training)
-
-
-def _source_reference(model: str | nn.Module) -> str | None:
-    """How to rebuild the source later: a timm/odeify name, an absolute checkpoint path, or None."""
-    if isinstance(model, os.PathLike):
-        model = os.fspath(model)
-    if not isinstance(model, str):
-        return None
-    path = Path(model)
-    return str(path.resolve()) if path.is_file() else model
 
 
 def retarget(

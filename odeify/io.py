@@ -1,43 +1,82 @@
-"""Save and load converted models as safetensors: weights plus a JSON recipe, never pickles.
+"""Save and load converted models: one safetensors file, the tensors plus a JSON recipe, never pickles.
 
-A converted model is rebuilt from its recipe (the source model name or checkpoint, the input
-shape and each stage's knots, basis, integrator, steps and backward mode) and then receives the
-saved weights, so a file only ever holds tensors and strings.
+A saved model is self-contained: its recipe (:mod:`odeify.recipe`) names the source architecture as
+a timm name and build kwargs, never a path or the source weights. ``load`` builds that architecture
+with random weights (or takes the ``model=`` you pass), converts it with the recorded settings,
+checks every saved tensor against the result, and loads them. It opens no path but the one it is
+given and needs no network, so a file loads the same on any machine with odeify, torch and timm.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import os
-from collections.abc import Sequence
+import stat
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import safetensors.torch
+import torch
 import torch.fx as fx
 from safetensors import safe_open
 from torch import nn
 
-from odeify.conversion import _change_knots, convert, converted_stages
-from odeify.errors import ModelLoadError
+from odeify.archs import build_arch
+from odeify.conversion import _change_knots, convert
+from odeify.errors import ModelLoadError, OdeifyError
 from odeify.fileio import atomic_write_bytes
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
-from odeify.tableaus import ReversibleHeun, Tableau
+from odeify.recipe import DTYPES, META, Recipe, integrator_of, parse_recipe, recipe_of
+from odeify.timm_interface import ConvertedModel
 
-RECIPE_KEY = "odeify_converted"
+__all__ = ["RECIPE_KEY", "load", "save"]
+
+RECIPE_KEY = "odeify_converted"  # safetensors metadata key of the recipe (JSON)
+MAX_BUILD_RATIO = 64  # a file may name an architecture with at most this many times its own elements
 
 
-def save(converted: fx.GraphModule, path: str | os.PathLike[str]) -> None:
-    """Write ``converted`` (the output of convert/retarget, possibly fine-tuned) atomically."""
-    meta = dict(converted.meta.get("odeify", {}))
-    recipe = {
-        "source": meta.get("source"),
-        "load_kwargs": meta.get("load_kwargs", {}),
-        "input_shape": meta.get("input_shape"),
-        "stages": [_stage_recipe(stage) for stage in converted_stages(converted)],
-    }
-    tensors = {k: v.detach().contiguous() for k, v in converted.state_dict().items()}
-    data = safetensors.torch.save(tensors, metadata={RECIPE_KEY: json.dumps(recipe)})
-    atomic_write_bytes(path, data)
+def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Write a converted model (from convert/retarget/load, possibly fine-tuned) to ``path``, atomically.
+
+    A model converted from a custom ``nn.Module`` (not a timm or odeify architecture) cannot be rebuilt
+    from the file alone: ``save`` warns, and ``load`` will need ``model=`` an instance of it.
+    """
+    target = _save_target(path)
+    recipe = recipe_of(model)
+    if recipe.arch is None:
+        source = model.meta.get(META, {}).get("name", "the source module")
+        warnings.warn(
+            f"{target}: this model was converted from a custom nn.Module ({source}) that odeify cannot "
+            f"rebuild by name; loading it will need an instance of it: odeify.load({str(target)!r}, "
+            f"model={source}(...)) (its weights are ignored).",
+            UserWarning,
+            stacklevel=2,
+        )
+    # own, contiguous CPU copies: safetensors refuses tensors that share storage
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    data = safetensors.torch.save(tensors, metadata={RECIPE_KEY: recipe.to_json()})
+    try:
+        atomic_write_bytes(target, data)
+    except OSError as exc:
+        raise OdeifyError(f"cannot write {target}: {exc.strerror or exc}") from exc
+
+
+def _save_target(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a file path that can be written, or an OdeifyError that says why not."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise OdeifyError(f"save needs a file path such as 'model.safetensors', not {path!r}")
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise OdeifyError(
+            f"{target} is a directory; save to a file in it, e.g. {target / 'model.safetensors'}"
+        )
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OdeifyError(f"cannot save to {target}: {parent} is a file, not a folder")
+            break
+    return target
 
 
 def load(
@@ -45,86 +84,161 @@ def load(
     model: nn.Module | None = None,
     *,
     leaf_modules: Sequence[type[nn.Module]] = (),
-) -> fx.GraphModule:
-    """Rebuild a saved converted model; pass ``model`` when it was converted from an nn.Module."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"no converted model at '{path}': the file does not exist.")
-    recipe = json.loads(_read_metadata(path)[RECIPE_KEY])
-    source = model if model is not None else recipe["source"]
-    if source is None:
-        raise ModelLoadError(
-            f"'{path}' was converted from {recipe['source']!r}, which odeify cannot rebuild by name. "
-            "Pass the original architecture: odeify.load(path, model=MyModel())."
-        )
-    gm = convert(source, input_size=recipe["input_shape"], leaf_modules=leaf_modules, **recipe["load_kwargs"])
-    gm = raise_stages(gm)
-    stages = {stage.stage_name: stage for _, stage in stage_nodes(gm)}
-    for entry in recipe["stages"]:
-        stage = stages.get(entry["name"])
-        if stage is None:
-            raise ModelLoadError(
-                f"'{path}' has a stage '{entry['name']}' that the rebuilt model lacks "
-                f"(it has {', '.join(stages)}); was it saved from another architecture?"
-            )
-        _change_knots(stage, entry["knots"], entry["basis"])
-        stage.configure(
-            integrator=_integrator(entry["integrator"]), steps=entry["steps"], backward=entry["backward"]
-        )
-    gm = lower_stages(gm)
-    state = safetensors.torch.load_file(str(path))
-    missing, unexpected = gm.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"'{path}' does not match the rebuilt model: missing {list(missing)[:5]}, unexpected "
-            f"{list(unexpected)[:5]}. Rebuild with the same odeify version and source model."
-        )
-    gm.meta["odeify"]["loaded_from"] = str(path)
-    return gm
+) -> ConvertedModel:
+    """Rebuild a converted model saved with ``save``; in eval mode, outputs identical to the saved one.
+
+    ``model``: an instance of the source architecture, needed only when the source was a custom
+    ``nn.Module`` (an un-initialised instance is enough: its weights are ignored). ``leaf_modules``:
+    as given to ``convert``.
+    """
+    path = _load_source(path)
+    recipe, header = _read_header(path)
+    _check_knot_shapes(recipe, header, path)
+    source = _source_model(recipe, header, path, model)
+    converted = _rebuild(source, recipe, path, leaf_modules)
+    state = _read_tensors(path)
+    _check_tensors(converted, state, path)
+    converted.load_state_dict(state, strict=True)
+    if recipe.pretrained_cfg:
+        converted.pretrained_cfg = {**converted.pretrained_cfg, **recipe.pretrained_cfg}
+    return converted.eval()
 
 
-def _stage_recipe(stage) -> dict:
-    integrator = stage.integrator
-    if isinstance(integrator, ReversibleHeun) or integrator.name in _builtin_names():
-        spec: str | dict = integrator.name
-    else:
-        spec = {
-            "name": integrator.name,
-            "a": [[str(v) for v in row] for row in integrator.a],
-            "b": [str(v) for v in integrator.b],
-            "order": integrator.order,
-        }
-    return {
-        "name": stage.stage_name,
-        "knots": stage.num_knots,
-        "basis": stage.basis,
-        "integrator": spec,
-        "steps": stage.steps,
-        "backward": stage.backward,
-    }
-
-
-def _integrator(spec: str | dict):
-    if isinstance(spec, str):
-        return spec
-    return Tableau.create(spec["name"], spec["a"], spec["b"], order=spec["order"])
-
-
-def _builtin_names() -> set[str]:
-    from odeify.tableaus import TABLEAUS
-
-    return set(TABLEAUS)
-
-
-def _read_metadata(path: Path) -> dict[str, str]:
+def _load_source(path: str | os.PathLike[str]) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ModelLoadError(f"load needs the path of a file written by odeify.save, not {path!r}")
+    path = Path(path).expanduser()
     try:
-        with safe_open(str(path), framework="pt") as handle:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ModelLoadError(f"no converted model at {path}: the file does not exist") from None
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if stat.S_ISDIR(mode):
+        raise ModelLoadError(f"{path} is a directory, not a file written by odeify.save")
+    if not stat.S_ISREG(mode):
+        raise ModelLoadError(
+            f"{path} is not a regular file (a pipe, socket or device); odeify.load reads files"
+        )
+    return path
+
+
+def _read_header(path: Path) -> tuple[Recipe, dict[str, tuple[tuple[int, ...], str]]]:
+    """The validated recipe and every tensor's (shape, dtype), read from the header alone."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
             meta = handle.metadata() or {}
+            header = {}
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                header[key] = (tuple(piece.get_shape()), str(piece.get_dtype()))
     except Exception as exc:  # safetensors raises its own error types for malformed files
-        raise ModelLoadError(f"'{path}' is not a safetensors file written by odeify.save: {exc}") from exc
+        raise ModelLoadError(f"{path} is not a safetensors file written by odeify.save: {exc}") from exc
     if RECIPE_KEY not in meta:
         raise ModelLoadError(
-            f"'{path}' holds no odeify recipe: it is not a converted model. To convert a checkpoint, "
-            "use odeify.convert(path) instead."
+            f"{path} holds no odeify recipe: it is not a converted model. To convert a checkpoint, use "
+            f"odeify.convert({str(path)!r}) (CLI: odeify convert {path})."
         )
-    return meta
+    return parse_recipe(meta[RECIPE_KEY], str(path)), header
+
+
+def _check_knot_shapes(recipe: Recipe, header: Mapping[str, tuple[tuple[int, ...], str]], path: Path) -> None:
+    """Each stage's knot tensors in the file have the recipe's knot count (before anything is built)."""
+    for stage in recipe.stages:
+        prefix = f"{stage.module}.knots."
+        found = {k: shape for k, (shape, _) in header.items() if k.startswith(prefix)}
+        if not found:
+            raise ModelLoadError(f"{path}: stage {stage.name!r} has no knot tensors ({prefix}*) in the file")
+        wrong = [f"{k} {shape}" for k, shape in found.items() if not shape or shape[0] != stage.knots]
+        if wrong:
+            raise ModelLoadError(
+                f"{path}: stage {stage.name!r} says {stage.knots} knots but the file's knot tensors are "
+                f"{', '.join(wrong[:3])}; the file is damaged or was altered"
+            )
+
+
+def _source_model(
+    recipe: Recipe, header: Mapping[str, tuple[tuple[int, ...], str]], path: Path, model: nn.Module | None
+) -> nn.Module:
+    """The source architecture with random weights: ``model`` if given, else built from the recipe."""
+    dtype = DTYPES[recipe.dtype]
+    if model is not None:
+        if not isinstance(model, nn.Module) or isinstance(model, fx.GraphModule):
+            raise ModelLoadError(
+                f"load(model=...) takes an instance of the source architecture (an nn.Module that is not "
+                f"converted), not {type(model).__name__}"
+            )
+        return copy.deepcopy(model).to(dtype)
+    if recipe.arch is None:
+        raise ModelLoadError(
+            f"{path} was converted from a custom nn.Module, which odeify cannot rebuild by name. Pass an "
+            f"instance of it (its weights are ignored): odeify.load({str(path)!r}, model=MyModel())"
+        )
+    name, kwargs = recipe.arch["name"], recipe.arch["kwargs"]
+    planned = sum(t.numel() for t in build_arch(name, kwargs, device="meta").state_dict().values())
+    held = sum(_numel(shape) for shape, _ in header.values())
+    if planned > MAX_BUILD_RATIO * held + 2**20:
+        raise ModelLoadError(
+            f"{path} names {name!r} with {kwargs}, which has {planned:,} parameters, but the file holds only "
+            f"{held:,} tensor elements; a converted model keeps at least 1/{MAX_BUILD_RATIO} of its source. "
+            f"The file is damaged or was altered."
+        )
+    return build_arch(name, kwargs).to(dtype)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _rebuild(
+    source: nn.Module, recipe: Recipe, path: Path, leaf_modules: Sequence[type[nn.Module]]
+) -> ConvertedModel:
+    """Convert ``source`` and give each stage the recorded manifestation."""
+    gm = raise_stages(convert(source.eval(), input_size=recipe.input_shape, leaf_modules=leaf_modules))
+    stages = {stage.stage_name: stage for _, stage in stage_nodes(gm)}
+    for entry in recipe.stages:
+        stage = stages.get(entry.name)
+        if stage is None:
+            raise ModelLoadError(
+                f"{path} has a stage {entry.name!r} that the rebuilt model lacks (it has "
+                f"{', '.join(stages)}); was it saved from another architecture, or is model= another one?"
+            )
+        _change_knots(stage, entry.knots, entry.basis)
+        stage.configure(
+            integrator=integrator_of(entry.integrator),
+            steps=entry.steps,
+            backward=entry.backward,
+            checkpoint_every=entry.checkpoint_every,
+        )
+    return lower_stages(gm)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return safetensors.torch.load_file(str(path), device="cpu")
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: the tensors cannot be read ({exc}); the file is damaged") from exc
+
+
+def _check_tensors(model: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Every tensor has the name, shape and dtype the rebuilt model expects, and finite values."""
+    own = model.state_dict()
+    problems = [f"missing {k}" for k in own if k not in state]
+    problems += [f"unexpected {k}" for k in state if k not in own]
+    for key in own.keys() & state.keys():
+        mine, theirs = own[key], state[key]
+        if theirs.shape != mine.shape:
+            problems.append(f"{key} has shape {tuple(theirs.shape)}, the model needs {tuple(mine.shape)}")
+        elif theirs.dtype != mine.dtype:
+            problems.append(f"{key} is {theirs.dtype}, the model needs {mine.dtype}")
+        elif theirs.is_floating_point() and not bool(torch.isfinite(theirs).all()):
+            problems.append(f"{key} holds non-finite values (NaN or inf)")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ModelLoadError(
+            f"{path} does not fit the model its recipe rebuilds: {'; '.join(problems[:3])}{more}. The file "
+            f"is damaged or was altered; odeify.save writes tensors that match."
+        )

@@ -27,6 +27,7 @@ def train_checkpoint(model: nn.Module, folder: Path, arch: str, num_classes: int
     One optimizer step per epoch on random data makes ``state_dict`` and ``state_dict_ema`` differ.
     ``args`` is an ``argparse.Namespace`` with the fields train.py records (model, num_classes, ...).
     """
+    folder.mkdir(parents=True, exist_ok=True)
     model = copy.deepcopy(model).train()
     optimizer = create_optimizer_v2(model, "adamw", lr=1e-2, weight_decay=0.05)
     ema = ModelEmaV3(model, decay=0.5)
