@@ -197,6 +197,17 @@ def _rebuild(
     source: nn.Module, recipe: Recipe, path: Path, leaf_modules: Sequence[type[nn.Module]]
 ) -> ConvertedModel:
     """Convert ``source`` and give each stage the recorded manifestation."""
+    try:
+        return _convert_as_recorded(source, recipe, path, leaf_modules)
+    except ModelLoadError:
+        raise
+    except OdeifyError as exc:  # a setting the recipe passed to convert/configure was refused
+        raise ModelLoadError(f"{path}: its recipe asks for what odeify refuses: {exc}") from exc
+
+
+def _convert_as_recorded(
+    source: nn.Module, recipe: Recipe, path: Path, leaf_modules: Sequence[type[nn.Module]]
+) -> ConvertedModel:
     gm = raise_stages(convert(source.eval(), input_size=recipe.input_shape, leaf_modules=leaf_modules))
     stages = {stage.stage_name: stage for _, stage in stage_nodes(gm)}
     for entry in recipe.stages:

@@ -258,7 +258,8 @@ def _stages(value: object, where: str) -> tuple[StageRecipe, ...]:
         at = f"{where} (stage {i})"
         _expect(isinstance(entry, dict) and set(entry) == keys, at, f"a stage has the keys {sorted(keys)}")
         for key in ("name", "module"):
-            _expect(isinstance(entry[key], str) and bool(_NAME.fullmatch(entry[key])), at, f"bad {key}")
+            ok = isinstance(entry[key], str) and bool(_NAME.fullmatch(entry[key]))
+            _expect(ok, at, f"a stage {key} is a Python name like 'layer1' or 'layer1_ode'")
         _expect(_is_int(entry["knots"], 1, MAX_KNOTS), at, f"knots must be an integer in [1, {MAX_KNOTS}]")
         _expect(_is_int(entry["steps"], 1, MAX_STEPS), at, f"steps must be an integer in [1, {MAX_STEPS}]")
         _expect(_is_int(entry["checkpoint_every"], 1, entry["steps"]), at, "checkpoint_every in [1, steps]")
@@ -281,7 +282,8 @@ def _integrator(value: object, where: str) -> None:
     square = isinstance(a, list) and len(a) == s and all(isinstance(r, list) and len(r) == s for r in a)
     _expect(square, where, "a tableau's a is an s x s list of lists")
     entries = [*b, *(v for row in a for v in row)]
-    _expect(all(isinstance(v, str) and _RATIONAL.fullmatch(v) for v in entries), where, "tableau entries")
+    exact = all(isinstance(v, str) and _RATIONAL.fullmatch(v) for v in entries)
+    _expect(exact, where, "tableau entries must be exact rationals like '2/3' (at most 20 digits each)")
     name, order = value["name"], value["order"]  # type: ignore[index]
     _expect(isinstance(name, str) and 0 < len(name) <= 64, where, "a tableau name has 1 to 64 characters")
     _expect(_is_int(order, 1, MAX_TABLEAU_ORDER), where, f"a tableau order is in [1, {MAX_TABLEAU_ORDER}]")
