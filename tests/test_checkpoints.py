@@ -21,6 +21,7 @@ from checkpoint_files import hf_folder, plain_pth, plain_safetensors, train_chec
 from timm.models import load_checkpoint
 from torch import nn
 
+import odeify
 import odeify.loading
 from odeify._testing import make_test_model
 from odeify.checkpoints import META_ARCH, META_KWARGS
@@ -202,3 +203,26 @@ def test_pretrained_offline_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ModelLoadError, match="did not answer within 2 s"):
         load_model("resnet18", pretrained=True)
     assert time.perf_counter() - started < odeify.loading.PROBE_TIMEOUT_S + 2
+
+
+def test_pretrained_weights_in_the_local_cache_load_without_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = make_test_model("resnet18")  # stands in for timm's resnet18.a1_in1k, as the hub cache holds it
+    cached = plain_safetensors(weights, tmp_path / "model.safetensors")
+    monkeypatch.setattr(odeify.loading, "_cached_hub_weights", lambda repo: cached)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _same_outputs(load_model("resnet18", pretrained=True), weights)
+    headless = load_model("resnet18", pretrained=True, num_classes=5)  # timm drops the 1000-class head
+    assert headless.fc.out_features == 5 and torch.equal(headless.conv1.weight, weights.conv1.weight)
+
+
+def test_analyze_and_convert_take_the_same_arguments(tmp_path: Path) -> None:
+    model = make_test_model("resnet18", num_classes=7)
+    path = plain_pth(model, tmp_path / "r18.pth")
+    plan = odeify.analyze(path, arch="resnet18", num_classes=7, input_size=(3, 32, 32))
+    assert plan.run_lengths == [2, 1, 1, 1]  # layer1: both blocks; layers 2-4: all but the first
+    converted = odeify.convert(path, arch="resnet18", num_classes=7, input_size=(3, 32, 32))
+    x = _x()
+    with torch.no_grad():
+        assert (converted(x) - model(x)).abs().max() <= 1e-5 * model(x).abs().max()
