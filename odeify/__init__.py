@@ -28,6 +28,7 @@ _EXPORTS = {
     "OdeifyError": "odeify.errors",
     "TraceError": "odeify.errors",
     "load": "odeify.io",
+    "model_code": "odeify.listing",
     "save": "odeify.io",
     "load_model": "odeify.loading",
     "Block": "odeify.plan",
@@ -66,6 +67,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
     from odeify.errors import TraceError as TraceError
     from odeify.io import load as load
     from odeify.io import save as save
+    from odeify.listing import model_code as model_code
     from odeify.loading import load_model as load_model
     from odeify.plan import Block as Block
     from odeify.plan import Plan as Plan

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
@@ -17,18 +18,19 @@ from torch import nn
 
 from odeify.analysis import analyze_graph, input_shape_for, resolve_model
 from odeify.bases import fit_matrix, get_basis, validate_knots
+from odeify.budget import check_fit_work, check_knot_bytes
 from odeify.errors import ConfigError
 from odeify.passes.fold_bn import fold_batchnorm
 from odeify.passes.lift import lift_runs
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.plan import Run
 from odeify.recipe import record_conversion
-from odeify.settings import validate_steps
+from odeify.settings import validate_backward, validate_steps
 from odeify.stage import ODEStage
 from odeify.tableaus import resolve_integrator
 from odeify.tracing import annotate_shapes, trace
 
-StepsSpec = int | float | str | Mapping[str, int | float | str]
+StepsSpec = int | str | Mapping[str, int | str]
 KnotsSpec = int | str | Mapping[str, int | str]
 META = "odeify"
 
@@ -48,13 +50,28 @@ def convert(
     """Compile a residual network into a GraphModule whose runs are ODE stages.
 
     ``model`` is a module, a timm name or a checkpoint path (``load_kwargs`` go to
-    :func:`odeify.loading.load_model`, e.g. ``pretrained=True``). ``steps`` and ``knots`` take an
-    int, ``"native"`` (the run's block count), a float depth multiplier (steps only) or a dict
-    {stage name: value}. With the defaults the result reproduces the model exactly.
+    :func:`odeify.loading.load_model`, e.g. ``pretrained=True``); a module is copied, never
+    changed, and the result is in the same train/eval mode as it. ``steps`` takes an int,
+    ``"native"`` (the run's block count), a depth multiplier ``"x2"`` / ``"x0.5"``, or a dict
+    {stage name: value}; ``knots`` an int, ``"native"`` or a dict. ``backward`` is one mode for the
+    whole model or a dict {stage name: mode}. With the defaults the result reproduces the model
+    exactly.
     """
     resolve_integrator(integrator)  # fail fast on bad settings, before any tracing work
     get_basis(basis)
+    _check_backward_spec(backward, integrator)
+    validate_leaf_modules(leaf_modules)
+    if isinstance(model, nn.Module):
+        if converted_stages(model):
+            raise ConfigError(
+                "this model is already converted (it has ODE stages); use odeify.retarget(model, ...) "
+                "to change its integrator, steps, knots, basis or backward mode."
+            )
+        training = model.training
+        model = copy.deepcopy(model)  # loading puts a module in eval mode: never the caller's
     module, name = resolve_model(model, **load_kwargs)
+    if not isinstance(model, nn.Module):
+        training = module.training
     shape = input_shape_for(module, input_size)
     source = copy.deepcopy(module).eval()
     with torch.no_grad():
@@ -65,6 +82,13 @@ def convert(
     names = [run.name for run in plan.runs]
     steps_of = _per_stage(steps, names, "steps")
     knots_of = _per_stage(knots, names, "knots")
+    backward_of = _per_stage(backward, names, "backward")
+    dtype_size = next((p.element_size() for p in source.parameters() if p.is_floating_point()), 4)
+    for run in plan.runs:  # every budget before any allocation
+        if knots_of[run.name] != "native":
+            count = validate_knots(knots_of[run.name], run.length, basis)
+            per_knot = run.blocks[0].parameters * dtype_size
+            _check_refit_budget(run.name, per_knot, count, run.length, basis)
 
     def make_stage(run: Run, parts: dict) -> ODEStage:
         depth = run.length
@@ -86,13 +110,13 @@ def convert(
             basis=basis,
             integrator=integrator,
             steps=_resolve_steps(steps_of[run.name], depth, run.name),
-            backward=backward,
+            backward=backward_of.get(run.name, "backprop"),
         )
 
     with torch.no_grad():
         gm, skipped = lift_runs(gm, plan.runs, make_stage)
     gm = record_conversion(gm, module, plan, skipped)  # what rebuilds it, and its timm interface
-    return lower_stages(gm).train(module.training)
+    return _guard_input_dtype(lower_stages(gm)).train(training)
 
 
 def retarget(
@@ -109,43 +133,104 @@ def retarget(
     the current weight path; ``basis`` alone reinterprets the same knots with another basis.
     Settings left as None keep each stage's current value. Returns a new module.
     """
+    _check_converted(converted, "retarget")
     if integrator is not None:
         resolve_integrator(integrator)
     if basis is not None:
         get_basis(basis)
     gm = raise_stages(copy.deepcopy(converted))
     stages = {stage.stage_name: stage for _, stage in stage_nodes(gm)}
-    if not stages:
-        raise ConfigError("this module has no ODE stages; retarget takes the output of odeify.convert.")
     names = list(stages)
     # a dict names the stages to change; the others keep their current value (not 'native')
     steps_of = _per_stage(steps, names, "steps", fill=False) if steps is not None else {}
     knots_of = _per_stage(knots, names, "knots", fill=False) if knots is not None else {}
+    backward_of = _per_stage(backward, names, "backward", fill=False) if backward is not None else {}
+    for name in knots_of:  # every budget before any allocation
+        stage = stages[name]
+        per_knot = sum(t.numel() // max(1, t.shape[0]) * t.element_size() for t in stage.knot_tensors())
+        count = _knot_count(stage, knots_of[name], basis)
+        _check_refit_budget(name, per_knot, count, stage.num_knots, basis or stage.basis)
     for name, stage in stages.items():
         if name in knots_of or basis is not None:
             _change_knots(stage, knots_of.get(name), basis)
         stage.configure(
             integrator=integrator,
             steps=_resolve_steps(steps_of[name], stage.depth, name) if name in steps_of else None,
-            backward=backward,
+            backward=backward_of.get(name),
         )
     return lower_stages(gm)
 
 
 def set_backward(converted: fx.GraphModule, backward: str | Mapping[str, str]) -> fx.GraphModule:
-    """The converted model with another backward mode for all stages (str) or some (dict)."""
-    names = [stage.stage_name for stage in converted_stages(converted)]
-    modes = _per_stage(backward, names, "backward")
-    gm = raise_stages(copy.deepcopy(converted))
-    for _, stage in stage_nodes(gm):
+    """Switch the backward mode of all stages (str) or some (dict) **in place**; returns the model.
+
+    Only the emitted graph changes: the parameters stay the same objects, so an optimizer built
+    before keeps training them. A refused mode (e.g. 'reversible' on an Euler stage) changes nothing.
+    """
+    _check_converted(converted, "set_backward")
+    stages = converted_stages(converted)
+    modes = _per_stage(backward, [stage.stage_name for stage in stages], "backward")
+    for stage in stages:
+        if stage.stage_name in modes:
+            validate_backward(modes[stage.stage_name], stage.integrator)
+    raise_stages(converted)
+    for stage in stages:
         if stage.stage_name in modes:
             stage.configure(backward=modes[stage.stage_name])
-    return lower_stages(gm)
+    return lower_stages(converted)
 
 
 def converted_stages(converted: nn.Module) -> list[ODEStage]:
     """The ODE stages of a converted model, in graph order."""
+    if not isinstance(converted, nn.Module):
+        raise ConfigError(f"expected a converted model (an nn.Module), got {type(converted).__name__}.")
     return [m for m in converted.modules() if isinstance(m, ODEStage)]
+
+
+def validate_leaf_modules(leaf_modules: object) -> None:
+    """``leaf_modules`` must be nn.Module subclasses (classes, not names or instances)."""
+    if isinstance(leaf_modules, (str, bytes)) or not isinstance(leaf_modules, Sequence):
+        raise ConfigError(f"leaf_modules must be a list of nn.Module classes; got {leaf_modules!r}.")
+    bad = [m for m in leaf_modules if not (isinstance(m, type) and issubclass(m, nn.Module))]
+    if bad:
+        raise ConfigError(
+            f"leaf_modules must hold nn.Module classes (e.g. [MyAttention]), not {bad!r}: tracing keeps "
+            "modules of these classes as single calls instead of tracing through them."
+        )
+
+
+def _check_converted(model: object, what: str) -> None:
+    if not isinstance(model, fx.GraphModule) or not converted_stages(model):
+        raise ConfigError(
+            f"{what} takes a converted model (the output of odeify.convert, odeify.retarget or "
+            f"odeify.load); got {type(model).__name__}, which has no ODE stages."
+        )
+
+
+def _check_backward_spec(backward: object, integrator: str) -> None:
+    """Validate convert's ``backward``: one mode for the whole model, or a {stage: mode} dict."""
+    modes = backward.values() if isinstance(backward, Mapping) else [backward]
+    for mode in modes:
+        validate_backward(mode, resolve_integrator(integrator))
+
+
+def _guard_input_dtype(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make a floating input of another dtype than the weights fail with a clear error, at the call."""
+    gm.register_forward_pre_hook(_check_input_dtype)
+    return gm
+
+
+def _check_input_dtype(module: nn.Module, args: tuple) -> None:
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return
+    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if weight is None or weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
+        return
+    raise ConfigError(
+        f"the input is {x.dtype} but this converted model's weights are {weight.dtype}: pass "
+        f"x.to({weight.dtype}), or convert the model's dtype with model.to({x.dtype})."
+    )
 
 
 def _change_knots(stage: ODEStage, knots: int | str | None, basis: str | None) -> None:
@@ -159,9 +244,7 @@ def _change_knots(stage: ODEStage, knots: int | str | None, basis: str | None) -
     """
     old_basis, old_count = stage.basis, stage.num_knots
     new_basis = get_basis(basis).name if basis is not None else old_basis
-    count = old_count if knots is None else stage.depth if knots == "native" else None
-    if count is None:
-        count = validate_knots(knots, stage.depth, new_basis)
+    count = _knot_count(stage, knots, basis)
     if new_basis != old_basis and count == old_count and old_count != stage.depth:
         how = "compressed by least squares" if old_count < stage.depth else "refined"
         raise ConfigError(
@@ -184,6 +267,21 @@ def _change_knots(stage: ODEStage, knots: int | str | None, basis: str | None) -
             else:
                 setattr(stage, f"{slot.kind}_{slot.name}", refit)
     stage.configure(basis=new_basis)
+
+
+def _knot_count(stage: ODEStage, knots: int | str | None, basis: str | None) -> int:
+    """The knot count a retarget asks of ``stage``: unchanged (None), its depth ('native'), or validated."""
+    if knots is None:
+        return stage.num_knots
+    if knots == "native":
+        return stage.depth
+    return validate_knots(knots, stage.depth, basis or stage.basis)
+
+
+def _check_refit_budget(stage: str, bytes_per_knot: int, count: int, samples: int, basis: str) -> None:
+    """Refuse a knot count whose tensors or exact least-squares fit would be too large (odeify.budget)."""
+    check_knot_bytes(stage, count, bytes_per_knot)
+    check_fit_work(stage, count, samples, basis)
 
 
 def _refit(stack: torch.Tensor, basis: str, count: int, depth: int) -> torch.Tensor:
@@ -216,11 +314,29 @@ def _per_stage(spec, names: list[str], what: str, fill: bool = True) -> dict:
 
 
 def _resolve_steps(spec, depth: int, stage: str) -> int:
-    """'native' -> depth, a float multiplier m -> round(m * depth), an int as is (validated)."""
+    """'native' -> depth, 'x<m>' -> round(m * depth) (at least 1), an integer as is (validated).
+
+    One spelling in Python and on the command line: ``steps=4`` is 4 steps, ``steps="x2"`` twice
+    the run's block count. A float is refused rather than guessed at (2.0 steps or a 2x multiplier?).
+    """
     if spec == "native":
         return depth
+    if isinstance(spec, str) and spec.startswith("x"):
+        try:
+            factor = Fraction(spec[1:]) if len(spec) <= 32 else None
+        except (ValueError, ZeroDivisionError):
+            factor = None
+        if factor is None or factor <= 0:
+            raise ConfigError(
+                f"a steps multiplier is 'x' and a positive number, e.g. 'x2' or 'x0.5'; got {spec!r}."
+            )
+        return max(1, round(factor * depth))
     if isinstance(spec, float):
-        if not math.isfinite(spec) or spec <= 0:
-            raise ConfigError(f"a steps multiplier must be > 0 (e.g. 2.0 for twice the depth); got {spec}.")
-        return max(1, round(Fraction(spec) * depth))
+        raise ConfigError(
+            f"steps for stage '{stage}' is the float {spec!r}: pass an integer number of steps (e.g. "
+            f"{max(1, round(spec)) if math.isfinite(spec) else 4}) or a depth multiplier as a string "
+            f"(e.g. 'x{spec:g}')."
+        )
+    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool):
+        spec = int(spec)  # numpy and torch integers
     return validate_steps(spec, stage)
