@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.errors import NoResidualBlocksError, OdeifyError
+from odeify.errors import ConfigError, NoResidualBlocksError, OdeifyError
 from odeify.passes.residual_blocks import find_blocks
 from odeify.passes.runs import group_runs
 from odeify.plan import Plan
@@ -45,6 +45,18 @@ def input_shape_for(model: nn.Module, input_size: Sequence[int] | None) -> tuple
     if len(shape) == 3:
         shape = (1, *shape)
     return shape
+
+
+def validate_leaf_modules(leaf_modules: object) -> None:
+    """``leaf_modules`` must be nn.Module subclasses (classes, not names or instances)."""
+    if isinstance(leaf_modules, (str, bytes)) or not isinstance(leaf_modules, Sequence):
+        raise ConfigError(f"leaf_modules must be a list of nn.Module classes; got {leaf_modules!r}.")
+    bad = [m for m in leaf_modules if not (isinstance(m, type) and issubclass(m, nn.Module))]
+    if bad:
+        raise ConfigError(
+            f"leaf_modules must hold nn.Module classes (e.g. [MyAttention]), not {bad!r}: tracing keeps "
+            "modules of these classes as single calls instead of tracing through them."
+        )
 
 
 def trace_and_annotate(
@@ -88,6 +100,7 @@ def analyze(
 
     ``input_size`` is ``(N, C, H, W)`` or ``(C, H, W)``; by default the model's pretrained config.
     """
+    validate_leaf_modules(leaf_modules)
     module, name = resolve_model(model, **load_kwargs)
     shape = input_shape_for(module, input_size)
     with torch.no_grad():

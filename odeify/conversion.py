@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.analysis import analyze_graph, input_shape_for, resolve_model
+from odeify.analysis import analyze_graph, input_shape_for, resolve_model, validate_leaf_modules
 from odeify.bases import fit_matrix, get_basis, validate_knots
 from odeify.budget import check_fit_work, check_knot_bytes
 from odeify.errors import ConfigError
@@ -185,18 +185,6 @@ def converted_stages(converted: nn.Module) -> list[ODEStage]:
     if not isinstance(converted, nn.Module):
         raise ConfigError(f"expected a converted model (an nn.Module), got {type(converted).__name__}.")
     return [m for m in converted.modules() if isinstance(m, ODEStage)]
-
-
-def validate_leaf_modules(leaf_modules: object) -> None:
-    """``leaf_modules`` must be nn.Module subclasses (classes, not names or instances)."""
-    if isinstance(leaf_modules, (str, bytes)) or not isinstance(leaf_modules, Sequence):
-        raise ConfigError(f"leaf_modules must be a list of nn.Module classes; got {leaf_modules!r}.")
-    bad = [m for m in leaf_modules if not (isinstance(m, type) and issubclass(m, nn.Module))]
-    if bad:
-        raise ConfigError(
-            f"leaf_modules must hold nn.Module classes (e.g. [MyAttention]), not {bad!r}: tracing keeps "
-            "modules of these classes as single calls instead of tracing through them."
-        )
 
 
 def _check_converted(model: object, what: str) -> None:
