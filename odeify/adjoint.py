@@ -1,4 +1,4 @@
-"""Memory-saving backward passes for ODE stages (DESIGN.md section 2, "Backward modes").
+"""Memory-saving backward passes for ODE stages (docs/backward-modes.md).
 
 :func:`integrate_with_adjoint` runs a stage under ``no_grad`` inside one
 ``torch.autograd.Function`` whose inputs are the stage input and the stage's parameters (the
@@ -15,15 +15,23 @@ and takes its vector-Jacobian product. They differ only in how they obtain that 
 - ``reverse``: by stepping the explicit tableau backward from the step's end (Sander et al.
   2022). Saves only the input and output; approximate. Each step checks its reconstruction
   (re-run forward from the rebuilt state, compare with the state it was rebuilt from); past
-  :data:`RECONSTRUCTION_TOLERANCE` the pass restarts exactly, from the saved input, with
-  checkpointing, so a backward pass is either within tolerance at every step or exact.
+  :data:`RECONSTRUCTION_TOLERANCE`, or not finite (a NaN sample), the pass restarts exactly,
+  from the saved input, with checkpointing, so a backward pass is either within tolerance at
+  every step or exact.
 
 Re-runs see the forward's autocast state, take only the knots their step reads
 (:mod:`odeify.rerun`), and replay the forward's random draws (:mod:`odeify.rng_tape`); a stage's
 trainable parameters outside its knots (a user's template module) get their gradients too. The
 approximate reverse step replays the draws whose names it shares with the forward step (all of
 them for Euler off native depth); its reconstruction check measures any mismatch. The global RNG
-stream is restored after backward.
+stream is restored after backward (:class:`odeify.rerun.ForwardContext`).
+
+Why not ``torch.utils.checkpoint``'s RNG handling: it saves one RNG state per checkpointed call
+and replays the call whole and in order. The passes here re-run single steps from rebuilt states
+and, for ``reverse``, run other graphs (backward steps) that must reuse some of the forward's
+draws, so draws are recorded per graph node (:mod:`odeify.rng_tape`). The parts of a model
+between stages, which are recomputed whole, do use ``torch.utils.checkpoint``
+(:mod:`odeify.passes.segments`).
 """
 
 from __future__ import annotations
@@ -41,9 +49,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from odeify.emit import step_graph
 from odeify.errors import ConfigError
 from odeify.ir import StageIR
-from odeify.rerun import ParamGrads, autocast_state, knot_window_inputs
+from odeify.rerun import ForwardContext, ParamGrads, knot_window_inputs
 from odeify.reversible import integrate_reversible
-from odeify.rng_tape import Generators, Tape, record, replay
 
 __all__ = ["RECONSTRUCTION_TOLERANCE", "integrate_with_adjoint"]
 
@@ -58,6 +65,10 @@ MEMORY_FREE_MODES = ("checkpoint", "reverse", "reversible")
 State = tuple[Tensor, ...]
 
 
+# A deliberate graph break under torch.compile: the Functions below run Python loops over cached
+# step graphs, record random draws and call autograd in backward, none of which dynamo can trace;
+# the rest of a compiled model (the segments between stages) still compiles.
+@torch.compiler.disable
 def integrate_with_adjoint(stage: StageIR, x: Tensor) -> Tensor:
     """Run ``stage`` on ``x`` with the memory-saving backward named by ``stage.backward``."""
     if stage.backward not in MEMORY_FREE_MODES:
@@ -93,22 +104,19 @@ class _StageAdjoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, stage: StageIR, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
-        mode, every, rng = stage.backward, stage.checkpoint_every, Generators(x.device)
+        mode, every = stage.backward, stage.checkpoint_every
+        context = ForwardContext.capture(x)
         knots = list(params[:num_knots])
         state = stage.initial_state(x)
         saved: list[Tensor] = []
-        tapes: list[Tape] = []
         for n in range(stage.steps):
             if mode == "checkpoint" and n % every == 0:
                 saved.extend(state)
             graph = step_graph(stage, n)
-            state, tape = record(graph, (*state, *knot_window_inputs(graph, knots)), rng)
-            tapes.append(tape)
+            state = context.record(n, graph, (*state, *knot_window_inputs(graph, knots)))
         if mode == "reverse":
             saved = [x, *state]
-        ctx.stage, ctx.mode, ctx.every, ctx.rng = stage, mode, every, rng
-        ctx.num_knots, ctx.tapes = num_knots, tapes
-        ctx.autocast = autocast_state(x.device)
+        ctx.stage, ctx.mode, ctx.every, ctx.context, ctx.num_knots = stage, mode, every, context, num_knots
         ctx.save_for_backward(*params, *saved)
         return state[0]
 
@@ -118,25 +126,21 @@ class _StageAdjoint(torch.autograd.Function):
         count = len(ctx.needs_input_grad) - 3  # the inputs after (stage, num_knots, x)
         params, states = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
         grads = ParamGrads(params, ctx.num_knots, ctx.needs_input_grad[3:])
-        pass_ = _Backward(ctx.stage, grads, ctx.needs_input_grad[2], ctx.tapes, ctx.rng)
-        outer = ctx.rng.get()
-        try:
-            with torch.autocast(**ctx.autocast):  # re-runs see the forward's mixed precision
-                if ctx.mode == "checkpoint":
-                    width = len(ctx.stage.initial_state(grad_out))
-                    grad_x = pass_.checkpointed(_chunk(states, width), ctx.every, grad_out)
-                else:
-                    grad_x = pass_.reconstructed(tuple(states[1:]), grad_out, states[0])
-        finally:
-            ctx.rng.set(outer)
+        pass_ = _StagePass(ctx.stage, grads, ctx.needs_input_grad[2], ctx.context)
+        with ctx.context.restored():
+            if ctx.mode == "checkpoint":
+                width = len(ctx.stage.initial_state(grad_out))
+                grad_x = pass_.checkpointed(_chunk(states, width), ctx.every, grad_out)
+            else:
+                grad_x = pass_.reconstructed(tuple(states[1:]), grad_out, states[0])
         return (None, None, grad_x, *pass_.grads.result())
 
 
-class _Backward:
+class _StagePass:
     """One backward pass over a stage: re-runs steps, takes their VJPs, accumulates the gradients."""
 
-    def __init__(self, stage: StageIR, grads: ParamGrads, needs_x: bool, tapes: list[Tape], rng: Generators):
-        self.stage, self.grads, self.needs_x, self.tapes, self.rng = stage, grads, needs_x, tapes, rng
+    def __init__(self, stage: StageIR, grads: ParamGrads, needs_x: bool, context: ForwardContext):
+        self.stage, self.grads, self.needs_x, self.context = stage, grads, needs_x, context
         self.stats = stage.adjoint_stats
 
     def checkpointed(self, saved: list[State], every: int, grad_out: Tensor) -> Tensor | None:
@@ -157,39 +161,49 @@ class _Backward:
     def reconstructed(self, final: State, grad_out: Tensor, x: Tensor) -> Tensor | None:
         """Rebuild each step's start by stepping backward from its end, then VJP the step.
 
-        Step 0 starts from ``x`` itself; a reconstruction error past the tolerance abandons the
-        pass for :meth:`checkpointed` from x.
+        Step 0 starts from ``x`` itself. A reconstruction error past the tolerance, or not finite,
+        abandons the pass for :meth:`checkpointed` from x. On the CPU each step's error is checked
+        at once; on an accelerator they are read together at the end (one device sync per pass).
         """
         tolerance = getattr(self.stage, "reverse_tolerance", RECONSTRUCTION_TOLERANCE)
+        check_each_step = x.device.type == "cpu"
         cotangent = self._start(grad_out)
-        errors: list[Tensor] = [torch.zeros((), device=x.device)]
+        errors: list[Tensor] = []  # errors[i]: step (i + 1)'s start, filled from the last step down
         state = final
         for n in reversed(range(1, self.stage.steps)):
             with torch.no_grad():
                 start = self._run(n, "reverse", state)
             end, cotangent = self._vjp(n, start, cotangent)
-            errors.insert(1, _relative_error(end, state))
-            if float(errors[1]) > tolerance:
-                self.stats.record(errors[1:])
-                return self._fall_back(x, n, float(errors[1]), tolerance, grad_out)
+            errors.insert(0, _relative_error(end, state))
+            if check_each_step and not float(errors[0]) <= tolerance:  # NaN fails too
+                return self._fall_back(x, errors, tolerance, grad_out)
             state = start
+        if errors and not check_each_step:
+            values = torch.stack(errors).tolist()
+            if not all(v <= tolerance for v in values):
+                return self._fall_back(x, errors, tolerance, grad_out)
         _, cotangent = self._vjp(0, self.stage.initial_state(x), cotangent)
         self.stats.backward_passes += 1
-        self.stats.record(errors)
+        self.stats.record([x.new_zeros(()), *errors])
         return self._finish(cotangent)
 
     def _fall_back(
-        self, x: Tensor, n: int, error: float, tolerance: float, grad_out: Tensor
+        self, x: Tensor, errors: list[Tensor], tolerance: float, grad_out: Tensor
     ) -> Tensor | None:
         """Redo the whole pass exactly from the saved input, keeping sqrt(steps) states."""
+        self.stats.record(errors)
         self.stats.fallbacks += 1
+        steps = self.stage.steps
+        failed = next(i for i, e in enumerate(self.stats.last_errors) if not e <= tolerance)
+        n, error = failed + steps - len(errors), self.stats.last_errors[failed]
         if self.stats.fallbacks == 1:
+            cause = "is not finite (a NaN or inf in the batch?)" if math.isinf(error) else f"{error:.2e}"
             warnings.warn(
                 f"odeify: stage '{self.stage.stage_name}' (backward='reverse', integrator="
-                f"'{self.stage.integrator.name}', steps={self.stage.steps}) could not rebuild its states: "
-                f"step {n} has reconstruction error {error:.2e} > tolerance {tolerance:.0e}. This backward "
-                "pass was redone exactly with checkpointing from the stage input (more compute, memory "
-                "~ sqrt(steps) states), and later ones will be too whenever this happens; "
+                f"'{self.stage.integrator.name}', steps={steps}) could not rebuild its states: step {n} "
+                f"has reconstruction error {cause} > tolerance {tolerance:.0e}. This backward pass was "
+                "redone exactly with checkpointing from the stage input (more compute, memory ~ "
+                "sqrt(steps) states), and later ones will be too whenever this happens; "
                 "stage.adjoint_stats.fallbacks counts them. To stay memory-free use more steps or "
                 "integrator='heun' instead of 'euler'; if memory allows, backward='checkpoint' skips "
                 "the failed attempts.",
@@ -197,7 +211,6 @@ class _Backward:
                 stacklevel=2,
             )
         self.grads.reset()
-        steps = self.stage.steps
         every = math.isqrt(steps - 1) + 1  # ceil(sqrt(steps))
         state = self.stage.initial_state(x)
         saved = [state]
@@ -221,7 +234,7 @@ class _Backward:
         rerun = self.grads.rerun(graph)
         with torch.enable_grad():
             inputs = tuple(s.detach().requires_grad_(need_state) for s in start)
-            end = replay(graph, (*inputs, *rerun.knots), self.tapes[n], self.rng)
+            end = self.context.replay(n, graph, (*inputs, *rerun.knots))
             pairs = [(e, g) for e, g in zip(end, cotangent, strict=True) if g is not None]
             wrt = [*inputs, *rerun.wrt] if need_state else rerun.wrt
             step_grads = torch.autograd.grad(
@@ -235,7 +248,7 @@ class _Backward:
         """Step graph ``n`` of ``kind`` without grad, replaying the random draws step n made in forward."""
         graph = step_graph(self.stage, n, kind)
         rerun = self.grads.rerun(graph, differentiate=False)
-        return replay(graph, (*state, *rerun.knots), self.tapes[n], self.rng)
+        return self.context.replay(n, graph, (*state, *rerun.knots))
 
     def _finish(self, cotangent: list[Tensor | None]) -> Tensor | None:
         """The gradient w.r.t. x, which fed every component of the initial state."""

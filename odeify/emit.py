@@ -303,10 +303,17 @@ def field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModu
 
 def _cached(stage: StageIR, key: tuple | str, build) -> fx.GraphModule:
     graphs = stage.caches().graphs
-    if key not in graphs:
-        with CACHE_LOCK:
-            if key not in graphs:
-                graphs[key] = build()
+    graph = graphs.get(key)
+    return graph if graph is not None else _build(graphs, key, build)
+
+
+# Under torch.compile a cache miss runs eagerly (a graph break): writing a graph handles exact
+# Fractions and fx objects that dynamo would try, and fail, to trace. Built graphs are traced.
+@torch.compiler.disable
+def _build(graphs: dict, key: tuple | str, build) -> fx.GraphModule:
+    with CACHE_LOCK:
+        if key not in graphs:
+            graphs[key] = build()
     return graphs[key]
 
 

@@ -1,19 +1,26 @@
-"""Shared pieces of the backward passes that re-run graphs: parameter gradients and autocast.
+"""Shared pieces of the backward passes that re-run graphs: parameter gradients and the forward's context.
 
 A re-run graph takes only the rows of each knot stack it reads (``graph.knot_window``), so its
 knot inputs are fresh leaves over those rows and its gradients land in just those rows of the
 accumulators: one step of a K-knot stage costs its own knots in backward, not all K.
+
+:class:`ForwardContext` is what both memory-free autograd Functions (``odeify.adjoint`` and
+``odeify.reversible``) keep from their forward so that backward re-runs see the same mixed
+precision and random draws, and leave the global RNG stream as backprop would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import Tensor
+
+from odeify.rng_tape import Generators, Tape, record, replay
 
 
 def knot_window_inputs(graph: fx.GraphModule, knots: Sequence[Tensor]) -> list[Tensor]:
@@ -85,11 +92,51 @@ class ParamGrads:
         return out
 
 
-def autocast_state(device: torch.device) -> dict[str, Any]:
-    """The forward's autocast settings, so that re-runs in backward see the same mixed precision."""
-    kind = device.type
-    return {
-        "device_type": kind,
-        "dtype": torch.get_autocast_dtype(kind),
-        "enabled": torch.is_autocast_enabled(kind),
-    }
+@dataclass
+class ForwardContext:
+    """What a stage's forward leaves for its backward: generators, autocast state, random draws.
+
+    ``tapes`` holds the random draws of each recorded graph run, keyed by the caller (a step
+    index, or a point and side); a run that drew nothing leaves no tape.
+    """
+
+    rng: Generators
+    autocast: dict[str, Any]
+    tapes: dict[Any, Tape] = field(default_factory=dict)
+
+    @classmethod
+    def capture(cls, x: Tensor) -> ForwardContext:
+        """The current autocast state and the generators ``x``'s device draws from."""
+        kind = x.device.type
+        autocast = {
+            "device_type": kind,
+            "dtype": torch.get_autocast_dtype(kind),
+            "enabled": torch.is_autocast_enabled(kind),
+        }
+        return cls(Generators(x.device), autocast)
+
+    def record(self, key: Any, graph: fx.GraphModule, args: Sequence[Tensor]) -> Any:
+        """Run ``graph`` in forward, noting the random draws it made under ``key``."""
+        out, tape = record(graph, tuple(args), self.rng)
+        if tape:
+            self.tapes[key] = tape
+        return out
+
+    def replay(self, key: Any, graph: fx.GraphModule, args: Sequence[Tensor]) -> Any:
+        """Re-run ``graph`` (or another graph naming its nodes alike) with the draws noted under ``key``."""
+        tape = self.tapes.get(key)
+        return graph(*args) if tape is None else replay(graph, tuple(args), tape, self.rng)
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run backward's re-runs under the forward's autocast; put the global RNG stream back after.
+
+        Re-runs set the RNG to the states the forward noted; restoring the stream afterwards leaves
+        the draws after backward as they are after backprop through the unrolled graph.
+        """
+        outer = self.rng.get()
+        try:
+            with torch.autocast(**self.autocast):
+                yield
+        finally:
+            self.rng.set(outer)

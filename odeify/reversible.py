@@ -3,15 +3,15 @@
 Reversible Heun (Kidger et al. 2021) keeps a pair (y, z) and is invertible in exact arithmetic.
 In floating point its inverse amplifies round-off, about 3x per step on an expansive stage, so
 fp32 gradients drifted 1e-3..1e-2 from backprop. Here the state lives on a fixed-point lattice:
-float64 multiples of a power of two q, 2^-bits of each sample's largest magnitude (rounded up to
-a power of two; bits from :func:`lattice_bits`), and every increment is rounded to the lattice
-([.]) before it is added:
+integer multiples of a power of two q, 2^-bits of each sample's largest magnitude (rounded up to
+a power of two; bits from :func:`lattice_bits`), held as counts of q in float64, and every
+increment is rounded to the lattice ([.]) before it is added:
 
     a_n = [h/2 F(t_n, z_n)],     z_{n+1} = 2 y_n - z_n + 2 a_n,
     b_n = [h/2 F(t_{n+1}-, z_{n+1})],     y_{n+1} = y_n + a_n + b_n.
 
-Sums of lattice values are exact in float64 while below 2^53 q (2^(53 - bits) times the input's
-magnitude), so the inverse z_n = 2 y_{n+1} - z_{n+1} - 2 b_n, y_n = y_{n+1} - a_n - b_n
+Sums of counts are exact in float64 while below 2^53 (2^(53 - bits) times the input's
+magnitude: 2^29 for fp32 inputs), so the inverse z_n = 2 y_{n+1} - z_{n+1} - 2 b_n, y_n = y_{n+1} - a_n - b_n
 rebuilds every state bit for bit, provided F returns the same bits for the same input: CPU
 kernels do; on GPU set ``torch.backends.cudnn.deterministic = True``. F runs in the input's dtype
 on z rounded to it, so its Jacobians are the ones backprop uses; only the state arithmetic is
@@ -25,7 +25,31 @@ at t_m and nothing random is drawn), takes one vector-Jacobian product with the 
     λz_m = -λz_{m+1} + J_A^T cA_m + J_B^T cB_{m-1},
 
 and steps the lattice state back with the same evaluations' values. Every field is evaluated
-once in forward and once, with grad, in backward; the saved state is (y_N, z_N) at any depth.
+once in forward and once, with grad, in backward.
+
+What forward keeps, at any depth (``benchmarks/lattice_range.py`` measures the counts: for fp32
+inputs they reach about 2^32 on a random-weight resnet50 and 2^27 on the trained digits model):
+
+- the output y_N rounded to the input's dtype, which the model keeps anyway (the next part of the
+  model saves it) and which the Function saves too (the same storage, counted once);
+- y_N's rounding residual in counts, in the narrowest integer type that holds it (int8 while the
+  stage grows its input by less than about 2^5 for fp32; nothing when y_N is exact in the dtype,
+  as in fp64);
+- d_N = z_N - y_N in counts, as int32 while below 2^31, else float64;
+- the spacing q per sample.
+
+For fp32 that is 1.25 states beside the output on the models measured (it was 4: y and z in
+float64), 2.25 where d outgrows int32. The lattice is 2^2 finer than the input's precision
+(26 bits for fp32): gradients agree with fp32 backprop as closely as fp32 backprop agrees with
+float64 (:func:`lattice_bits`).
+
+Whatever the counts cannot hold exactly is detected, never stored lossily: a state past 2^52
+counts (the float64 sums are no longer exact) or not finite (a NaN or inf sample) makes the
+forward keep its input instead and the backward recompute the forward's states from it
+(memory: all steps' states, during backward only), with one warning per stage and
+``stage.adjoint_stats.fallbacks`` counting. A field that returns other bits on a re-run
+(nondeterministic kernels), or a state that exceeded the bound between steps only, shows as a
+rebuilt y_0 that differs from z_0: every such pass warns and records the gap.
 """
 
 from __future__ import annotations
@@ -42,23 +66,32 @@ from torch.autograd.function import once_differentiable
 
 from odeify.emit import field_graph
 from odeify.ir import StageIR
-from odeify.rerun import ParamGrads, autocast_state, knot_window_inputs
-from odeify.rng_tape import Generators, record, replay
+from odeify.rerun import ForwardContext, ParamGrads, knot_window_inputs
 
-__all__ = ["integrate_reversible", "lattice_bits"]
+__all__ = ["EXACT_COUNTS", "integrate_reversible", "lattice_bits"]
 
 HEADROOM_BITS = 9
-"""Float64 sums of lattice values stay exact up to 2^9 times the input's magnitude at least."""
+"""Float64 sums of counts stay exact up to 2^9 times the input's magnitude at least (fp64 inputs)."""
+
+FINER_BITS = 2
+"""How much finer than the input dtype's precision the lattice is (see :func:`lattice_bits`)."""
+
+EXACT_COUNTS = 2.0**52
+"""Largest |count| of y or z the forward accepts: below it every sum, and d = z - y, is exact."""
 
 
 def lattice_bits(dtype: torch.dtype) -> int:
-    """Lattice spacing 2^-bits relative to the input: 2^8 finer than ``dtype``'s unit round-off.
+    """Lattice spacing 2^-bits relative to the input: 2^2 finer than the input dtype's precision.
 
-    32 bits for fp32 (headroom 2^21); float64 inputs get 53 - HEADROOM_BITS = 44 bits, coarser
-    than their own round-off, so in fp64 the lattice trades 2^-44 rounding for exactness.
+    26 bits for fp32 (float64 headroom 2^27), 10 for bfloat16; float64 inputs get
+    53 - HEADROOM_BITS = 44 bits, coarser than their own round-off, so in fp64 the lattice trades
+    2^-44 rounding for exactness. Measured on fp32 (digits stage, 256 steps, gradients against
+    float64 backprop): 26 bits err 6e-7 like fp32 backprop itself (5e-7); 24 bits erred 6e-4 (a
+    ReLU kink the coarser states landed on the other side of). Each bit more costs a bit of the
+    stored state (see the module docstring).
     """
     precision = 1 - round(math.log2(torch.finfo(dtype).eps))  # 24 for fp32
-    return min(precision + 8, 53 - HEADROOM_BITS)
+    return min(precision + FINER_BITS, 53 - HEADROOM_BITS)
 
 
 def integrate_reversible(stage: StageIR, x: Tensor, knots: list[Tensor], extras: list[Tensor]) -> Tensor:
@@ -91,12 +124,70 @@ def _fields_at(stage: StageIR, m: int) -> list[_Field]:
     return fields + ([_Field(t, False, starts_step=True, ends_step=False)] if starts else [])
 
 
-def _quantum(x: Tensor) -> Tensor:
-    """The lattice spacing per sample of ``x``: a power of two, 2^-bits of its max|x| rounded up.
+class _Lattice:
+    """The lattice of one forward: spacing q per sample, states as float64 counts of q.
 
-    Per sample (shape (N, 1, ..., 1)), so that a sample's result does not depend on the rest of
-    its batch: a data-parallel run and one process on the whole batch compute the same states.
+    Per sample (q has shape (N, 1, ..., 1)), so that a sample's result does not depend on its
+    batch: a data-parallel run and one process on the whole batch compute the same states.
     """
+
+    def __init__(self, x: Tensor, steps: int, quantum: Tensor | None = None) -> None:
+        self.dtype = x.dtype
+        self.quantum = _quantum(x) if quantum is None else quantum
+        self.increment_scale = (0.5 / steps) / self.quantum  # exact: q is a power of two
+
+    def counts(self, value: Tensor) -> Tensor:
+        """``value`` rounded to the lattice, in counts (exact for a value on it)."""
+        return torch.div(value, self.quantum).round_()
+
+    def increment(self, field: Tensor) -> Tensor:
+        """[h/2 F] in counts."""
+        return torch.mul(field, self.increment_scale).round_()
+
+    def value(self, counts: Tensor) -> Tensor:
+        """The lattice point ``counts * q`` rounded to the input's dtype."""
+        return torch.mul(counts, self.quantum).to(self.dtype)
+
+    def pack(self, y: Tensor, z: Tensor, out: Tensor) -> tuple[tuple[Tensor, ...] | None, str]:
+        """The final (y, z) in compact exact form, ``(residual of y, d = z - y, q)`` beside ``out``.
+
+        Returns ``(None, why)`` when the counts cannot hold the state exactly. One device sync.
+        """
+        residual = y - torch.div(out, self.quantum)  # integers: out is a multiple of q
+        d = z - y
+        tiny = torch.finfo(self.dtype).smallest_normal  # out is a multiple of q when q is at least this
+        y_max, z_max, res_max, d_max, q_min = torch.stack(
+            [y.abs().amax(), z.abs().amax(), residual.abs().amax(), d.abs().amax(), self.quantum.amin()]
+        ).tolist()
+        if not all(map(math.isfinite, (y_max, z_max, res_max, d_max))):
+            return None, "its state is not finite (a NaN or inf in the batch, or a field that overflowed)"
+        if max(y_max, z_max) >= EXACT_COUNTS or q_min < tiny:
+            growth = math.log2(max(y_max, z_max, 1.0)) - lattice_bits(self.dtype)
+            return None, (
+                f"its state grew to 2^{growth:.0f} times its input's magnitude, past the 2^"
+                f"{52 - lattice_bits(self.dtype)} up to which the lattice's float64 arithmetic is exact"
+            )
+        kept = _narrowest(residual, res_max) if res_max else None  # None: out is y_N exactly
+        return (kept, _narrowest(d, d_max, (torch.int32,)), self.quantum), ""
+
+    def unpack(self, out: Tensor, residual: Tensor | None, d: Tensor) -> tuple[Tensor, Tensor]:
+        """(y, z) in counts from :meth:`pack`'s form."""
+        y = torch.div(out, self.quantum)
+        if residual is not None:
+            y.add_(residual)
+        return y, y + d
+
+
+def _narrowest(counts: Tensor, largest: float, kinds=(torch.int8, torch.int16, torch.int32)) -> Tensor:
+    """``counts`` (float64 integers, |.| <= largest) in the narrowest of ``kinds`` that holds them."""
+    for kind in kinds:
+        if largest <= torch.iinfo(kind).max:
+            return counts.to(kind)
+    return counts
+
+
+def _quantum(x: Tensor) -> Tensor:
+    """The lattice spacing per sample of ``x``: a power of two, 2^-bits of its max|x| rounded up."""
     magnitude = (
         x.detach().abs().amax(dim=tuple(range(1, x.dim())), keepdim=True) if x.dim() > 1 else x.abs().amax()
     )
@@ -104,114 +195,150 @@ def _quantum(x: Tensor) -> Tensor:
     return torch.ldexp(torch.ones_like(magnitude, dtype=torch.float64), exponent - lattice_bits(x.dtype))
 
 
-def _lattice(value: Tensor, scale: float, quantum: Tensor) -> Tensor:
-    """``scale * value`` rounded to the nearest multiple of ``quantum``, in float64."""
-    return value.to(torch.float64, copy=True).mul_(scale).div_(quantum).round_().mul_(quantum)
-
-
 class _ReversibleHeunAdjoint(torch.autograd.Function):
     """Inputs: the stage, how many knot tensors follow x, x, the knots, other trainable parameters."""
 
     @staticmethod
     def forward(ctx: Any, stage: StageIR, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
-        knots, rng = params[:num_knots], Generators(x.device)
-        half_h = 0.5 / stage.steps
-        quantum = _quantum(x)
-        y = z = _lattice(x, 1.0, quantum)
-        tapes = {}
-        a = b = torch.zeros((), dtype=torch.float64, device=x.device)
-        for m in range(stage.steps + 1):
-            z_in = z.to(x.dtype)
-            for f in _fields_at(stage, m):
-                graph = field_graph(stage, f.t, f.left)
-                value, tapes[m, f.left] = record(graph, (z_in, *knot_window_inputs(graph, knots)), rng)
-                if f.ends_step:
-                    b = _lattice(value, half_h, quantum)
-                    y = y + a + b  # y_m = y_{m-1} + a_{m-1} + b_{m-1}
-                if f.starts_step:
-                    a = _lattice(value, half_h, quantum)
-            if m < stage.steps:
-                z = 2 * y - z + 2 * a  # z_{m+1} = 2 y_m - z_m + 2 a_m
-        ctx.stage, ctx.num_knots, ctx.tapes, ctx.rng = stage, num_knots, tapes, rng
-        ctx.autocast = autocast_state(x.device)
-        ctx.save_for_backward(*params, y, z, quantum)
-        return y.to(x.dtype)
+        context = ForwardContext.capture(x)
+        lattice = _Lattice(x, stage.steps)
+        y, z = _integrate(stage, lattice, context, params[:num_knots], lattice.counts(x))
+        out = lattice.value(y)
+        packed, why = lattice.pack(y, z, out)
+        ctx.stage, ctx.num_knots, ctx.context = stage, num_knots, context
+        if packed is None:
+            _note_fallback(stage, why)
+            ctx.save_for_backward(*params, x)
+        else:
+            ctx.save_for_backward(*params, out, *packed)
+        ctx.fallback = packed is None
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        *params, y, z, quantum = ctx.saved_tensors
+        count = len(ctx.needs_input_grad) - 3  # the inputs after (stage, num_knots, x)
+        params, state = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
         grads = ParamGrads(params, ctx.num_knots, ctx.needs_input_grad[3:])
-        outer = ctx.rng.get()
-        try:
-            with torch.autocast(**ctx.autocast):  # re-runs see the forward's mixed precision
-                grad_x = _Backward(ctx, grads, quantum).run(y, z, grad_out)
-        finally:
-            ctx.rng.set(outer)
+        pass_ = _ReversiblePass(ctx.stage, grads, ctx.needs_input_grad[2], ctx.context)
+        with ctx.context.restored():
+            if ctx.fallback:
+                (x,) = state
+                grad_x = pass_.from_input(x, params[: ctx.num_knots], grad_out)
+            else:
+                out, residual, d, quantum = state
+                lattice = _Lattice(out, ctx.stage.steps, quantum)
+                grad_x = pass_.inverted(lattice, *lattice.unpack(out, residual, d), grad_out)
         return (None, None, grad_x, *grads.result())
 
 
-class _Backward:
+def _integrate(
+    stage: StageIR, lattice: _Lattice, context: ForwardContext, knots, y: Tensor, points: list | None = None
+) -> tuple[Tensor, Tensor]:
+    """The forward on the lattice from y_0 = z_0 = ``y`` (counts); returns (y_N, z_N).
+
+    ``points``, when given, collects every z_m as the fields saw it (backward's fallback).
+    """
+    z = y.clone()
+    a = None
+    for m in range(stage.steps + 1):
+        z_in = lattice.value(z)
+        if points is not None:
+            points.append(z_in)
+        for f in _fields_at(stage, m):
+            graph = field_graph(stage, f.t, f.left)
+            increment = lattice.increment(
+                context.record((m, f.left), graph, (z_in, *knot_window_inputs(graph, knots)))
+            )
+            if f.ends_step:
+                y.add_(a).add_(increment)  # y_m = y_{m-1} + a_{m-1} + b_{m-1}
+            if f.starts_step:
+                a = increment
+        if m < stage.steps:
+            z = z.neg_().add_(y, alpha=2).add_(a, alpha=2)  # z_{m+1} = 2 y_m - z_m + 2 a_m
+    return y, z
+
+
+def _note_fallback(stage: StageIR, why: str) -> None:
+    stats = stage.adjoint_stats
+    stats.fallbacks += 1
+    if stats.fallbacks == 1:
+        warnings.warn(
+            f"odeify: stage '{stage.stage_name}' (backward='reversible', steps={stage.steps}) cannot keep "
+            f"its final state exactly: {why}. This pass keeps the stage input instead and recomputes the "
+            "forward's states from it in backward (exact, memory ~ all steps' states during backward), and "
+            "later passes will too whenever this happens; stage.adjoint_stats.fallbacks counts them.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+class _ReversiblePass:
     """One backward pass: the points z_N .. z_0, each evaluated with grad once, stepped back exactly."""
 
-    def __init__(self, ctx: Any, grads: ParamGrads, quantum: Tensor) -> None:
-        self.stage, self.tapes, self.rng = ctx.stage, ctx.tapes, ctx.rng
-        self.needs_x = ctx.needs_input_grad[2]
-        self.grads, self.quantum = grads, quantum
+    def __init__(self, stage: StageIR, grads: ParamGrads, needs_x: bool, context: ForwardContext) -> None:
+        self.stage, self.grads, self.needs_x, self.context = stage, grads, needs_x, context
+        self.steps = stage.steps
 
-    def run(self, y: Tensor, z: Tensor, grad_out: Tensor) -> Tensor | None:
-        steps = self.stage.steps
-        h, half_h = 1.0 / steps, 0.5 / steps
-        lam_y, lam_z = grad_out, None  # cotangents of (y_{m+1}, z_{m+1}); y_N alone is the output
+    def inverted(self, lattice: _Lattice, y: Tensor, z: Tensor, grad_out: Tensor) -> Tensor | None:
+        """Walk the points by inverting the lattice steps from the final (y, z); check y_0 == z_0."""
         b = None  # b_m, from the point after
-        for m in range(steps, -1, -1):
-            if lam_z is None:
-                cot_start, cot_end = None, half_h * lam_y
-            else:
-                cot_start = h * lam_z + half_h * lam_y
-                lam_y = lam_y + 2 * lam_z
-                cot_end = half_h * lam_y
-            values, grad_z = self._point(m, z, grad_out.dtype, cot_start, cot_end)
-            lam_z = grad_z if lam_z is None else (-lam_z if grad_z is None else grad_z - lam_z)
-            if m < steps:
-                y = y - _lattice(values[True], half_h, self.quantum) - b  # y_m = y_{m+1} - a_m - b_m
+        lam = _Cotangents(grad_out, self.steps)
+        for m in range(self.steps, -1, -1):
+            values = self._point(m, lattice.value(z), lam)
+            if m < self.steps:
+                y.sub_(lattice.increment(values[True])).sub_(b)  # y_m = y_{m+1} - a_m - b_m
             if m > 0:
-                b = _lattice(values[False], half_h, self.quantum)  # b_{m-1}
-                z = 2 * y - z - 2 * b  # z_{m-1} = 2 y_m - z_m - 2 b_{m-1}
+                b = lattice.increment(values[False])  # b_{m-1}
+                z = z.neg_().add_(y, alpha=2).sub_(b, alpha=2)  # z_{m-1} = 2 y_m - z_m - 2 b_{m-1}
+        self._check_rebuild(y, z)
+        return lam.result() if self.needs_x else None
+
+    def from_input(self, x: Tensor, knots, grad_out: Tensor) -> Tensor | None:
+        """The fallback: recompute the forward from the saved input, keeping every point z_m."""
+        lattice = _Lattice(x, self.steps)
+        points: list[Tensor] = []
+        with torch.no_grad():
+            _integrate(self.stage, lattice, _Replaying(self.context), knots, lattice.counts(x), points)
+        lam = _Cotangents(grad_out, self.steps)
+        for m in range(self.steps, -1, -1):
+            self._point(m, points.pop(), lam)
+        self.stage.adjoint_stats.backward_passes += 1
+        return lam.result() if self.needs_x else None
+
+    def _check_rebuild(self, y: Tensor, z: Tensor) -> None:
+        """y_0 and z_0 started equal: any gap means the rebuilt states were not the forward's."""
         stats = self.stage.adjoint_stats
         stats.backward_passes += 1
         stats.record([torch.linalg.vector_norm(y - z) / torch.linalg.vector_norm(y).clamp_min(1e-300)])
-        if stats.last_errors[0] > 0 and not stats.warned:
-            stats.warned = True
+        error = stats.last_errors[0]
+        if not error == 0:  # a NaN or inf gap counts (record maps it to inf)
             warnings.warn(
                 f"odeify: stage '{self.stage.stage_name}' (backward='reversible') did not rebuild its "
-                f"states exactly (rebuilt y0 and z0 differ by {stats.last_errors[0]:.1e}, relative): its "
-                "field returned other bits on a re-run, so the gradients carry that difference, amplified "
-                "by the inverse. On GPUs use deterministic kernels "
-                "(torch.use_deterministic_algorithms(True), torch.backends.cudnn.benchmark = False); "
-                "a state past 2^(53 - bits) lattice spacings "
-                "(odeify.reversible.lattice_bits) also loses exactness. stage.adjoint_stats tracks it.",
+                f"states exactly (rebuilt y0 and z0 differ by {error:.1e}, relative): its field returned "
+                "other bits on a re-run, or its state outgrew exact float64 arithmetic between steps, so "
+                "these gradients carry that difference, amplified by the inverse. On GPUs use "
+                "deterministic kernels (torch.use_deterministic_algorithms(True), "
+                "torch.backends.cudnn.benchmark = False). stage.adjoint_stats.worst_error tracks it.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
-        return lam_y + lam_z if self.needs_x else None
 
-    def _point(
-        self, m: int, z: Tensor, dtype: torch.dtype, cot_start: Tensor | None, cot_end: Tensor | None
-    ) -> tuple[dict[bool, Tensor], Tensor | None]:
+    def _point(self, m: int, z_in: Tensor, lam: _Cotangents) -> dict[bool, Tensor]:
         """Evaluate the fields at z_m with grad, take their VJP, add the parameter gradients.
 
-        Returns the detached values (``True``: A_m, ``False``: B_{m-1}) and the gradient w.r.t. z_m.
+        Returns the detached values (``True``: A_m, ``False``: B_{m-1}); updates the cotangents.
         """
         need_z = m > 0 or self.needs_x
+        cot_start, cot_end = lam.at(m)
         values: dict[bool, Tensor] = {}
         outputs, cotangents, reruns = [], [], []
         with torch.enable_grad():
-            z_in = z.to(dtype).requires_grad_(need_z)
+            z_in = z_in.detach().requires_grad_(need_z)
             for f in _fields_at(self.stage, m):
                 graph = field_graph(self.stage, f.t, f.left)
                 rerun = self.grads.rerun(graph)
-                value = replay(graph, (z_in, *rerun.knots), self.tapes[m, f.left], self.rng)
+                value = self.context.replay((m, f.left), graph, (z_in, *rerun.knots))
                 parts = [c for c, use in ((cot_start, f.starts_step), (cot_end, f.ends_step)) if use]
                 for serves, use in ((True, f.starts_step), (False, f.ends_step)):
                     if use:
@@ -221,7 +348,44 @@ class _Backward:
                 reruns.append(rerun)
             wrt = ([z_in] if need_z else []) + [t for r in reruns for t in r.wrt]
             found = iter(torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True) if wrt else ())
-        grad_z = next(found) if need_z else None
+        lam.step(next(found) if need_z else None)
         for rerun in reruns:
             self.grads.add(rerun, [next(found) for _ in rerun.wrt])
-        return values, grad_z
+        return values
+
+
+class _Cotangents:
+    """λy, λz walking back from the output (y_N alone is the output, so λz_N = 0)."""
+
+    def __init__(self, grad_out: Tensor, steps: int) -> None:
+        self.lam_y, self.lam_z = grad_out, None
+        self.h, self.half_h = 1.0 / steps, 0.5 / steps
+
+    def at(self, m: int) -> tuple[Tensor | None, Tensor]:
+        """Cotangents of the evaluations at z_m: (cA_m, cB_{m-1}); moves λy to y_m."""
+        if self.lam_z is None:
+            return None, self.half_h * self.lam_y
+        cot_start = self.h * self.lam_z + self.half_h * self.lam_y
+        self.lam_y = self.lam_y + 2 * self.lam_z
+        return cot_start, self.half_h * self.lam_y
+
+    def step(self, grad_z: Tensor | None) -> None:
+        """λz_m = -λz_{m+1} + (the VJP's gradient w.r.t. z_m)."""
+        if self.lam_z is None:
+            self.lam_z = grad_z
+        else:
+            self.lam_z = -self.lam_z if grad_z is None else grad_z - self.lam_z
+
+    def result(self) -> Tensor:
+        """The gradient w.r.t. x, which fed both y_0 and z_0."""
+        return self.lam_y + self.lam_z
+
+
+class _Replaying:
+    """A stand-in for :class:`ForwardContext` whose ``record`` replays the forward's draws instead."""
+
+    def __init__(self, context: ForwardContext) -> None:
+        self.context = context
+
+    def record(self, key: Any, graph, args) -> Tensor:
+        return self.context.replay(key, graph, args)

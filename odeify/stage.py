@@ -50,7 +50,30 @@ class ODEStage(StageIR):
         """Run a step or field graph on ``state`` and the knot rows it reads (default knots: the stage's)."""
         return graph(*state, *knot_window_inputs(graph, self.knot_tensors() if knots is None else knots))
 
+    def _apply(self, fn, *args: Any, **kwargs: Any):
+        return super()._apply(_per_knot_layout(fn), *args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backward != "backprop" and torch.is_grad_enabled():
             return integrate_with_adjoint(self, x)
         return self.run_graph(self.unrolled_graph(), (x,))
+
+
+def _per_knot_layout(fn):
+    """``fn`` for ``Module._apply``, taking 5-D knot stacks of conv weights as their 4-D knots.
+
+    ``model.to(memory_format=torch.channels_last)`` converts every 4-D tensor and refuses other
+    ranks, so a stack (K, out, in, kh, kw) of conv weights would fail. Applied to the stack seen as
+    (K * out, in, kh, kw), the conversion gives each knot (a view ``stack[k]``, as the step graphs
+    read it) the layout a channels_last conv weight has.
+    """
+
+    def apply(tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            return fn(tensor)
+        except RuntimeError:
+            if tensor.dim() != 5:
+                raise
+            return fn(tensor.flatten(0, 1)).unflatten(0, tensor.shape[:2])
+
+    return apply

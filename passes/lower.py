@@ -3,7 +3,9 @@
 ``lower_stages`` inlines each ``StageIR`` call into an unrolled graph for its integrator and
 steps; stages trained with a memory-saving backward mode stay one node, which calls the adjoint.
 ``raise_stages`` is the inverse: it collapses inlined stages back into single calls, so a
-converted model can be re-emitted for another manifestation without the original network.
+converted model can be re-emitted for another manifestation without the original network. It
+first inlines any checkpointed segments (:mod:`odeify.passes.segments`), so that retarget, save
+and set_backward see the graph as lowering wrote it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch.fx as fx
 
 from odeify.emit import META_KEY, StageWriter, write_stage
 from odeify.ir import StageIR
+from odeify.passes.segments import inline_segments
 
 PRESERVES_COMPUTATION = True
 
@@ -45,6 +48,7 @@ def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
 
 def raise_stages(gm: fx.GraphModule) -> fx.GraphModule:
     """Collapse every inlined stage of ``gm`` back into one ``call_module`` node, in place."""
+    inline_segments(gm)
     stages = {m.stage_name: name for name, m in gm.named_children() if isinstance(m, StageIR)}
     for stage_name, attribute in stages.items():
         members = [n for n in gm.graph.nodes if _inlined(n, stage_name)]

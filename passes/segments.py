@@ -1,0 +1,270 @@
+"""Checkpoint the parts of a converted model between its ODE stages: the whole-model memory plan.
+
+A memory-free backward mode makes an ODE stage keep O(1) tensors for backward, but the rest of
+the network (the stem, the first block of every stage, which changes the shape, the head) would
+still keep every activation. :func:`checkpoint_segments` wraps each maximal run of graph nodes
+between stage calls into one :class:`Segment` submodule that runs under
+``torch.utils.checkpoint`` (non-reentrant): forward keeps only the segment's inputs, backward
+recomputes the segment from them. So a training step keeps about one tensor per segment boundary
+plus what each stage's mode keeps.
+
+Why ``torch.utils.checkpoint`` (``use_reentrant=False``) and not a custom autograd Function as for
+the stages: it replays the forward's RNG state (CPU and the inputs' device) and autocast state on
+recompute, so DropPath masks and mixed precision come out the same; it needs no input to require
+grad; and torch.compile traces it (a ``tag_activation_checkpoint`` region that the compiled
+backward recomputes), so compiled segments stay compiled. A segment is recomputed as a whole, in
+order, so one RNG state per segment is all it needs (the stages, which re-run single steps and
+field evaluations out of order, record draws per graph node instead: see ``odeify.rng_tape``).
+
+Recompute is exact because converted models fold BatchNorm into the convs. A BatchNorm that is
+still there and in training mode would update its running statistics a second time on recompute:
+a segment refuses to run one (:class:`~odeify.errors.ConfigError`).
+
+The segment owns no parameters: the segmented graph fetches the tensors and modules a segment
+uses with ``get_attr`` nodes and passes them in, so the model's ``state_dict``, parameter names and
+submodules stay as they were, and replacing a submodule (a new head) takes effect.
+:func:`inline_segments` restores the original graph exactly (node names, order and meta).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+from odeify.emit import META_KEY
+from odeify.errors import ConfigError
+from odeify.ir import StageIR
+
+__all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments"]
+
+PRESERVES_COMPUTATION = True
+
+SEGMENT_PREFIX = "odeify_segment"
+
+
+def call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)``: a segment's body calls the modules it is handed with this."""
+    return module(*args, **kwargs)
+
+
+class Segment(nn.Module):
+    """A run of a model graph's nodes between ODE stages, recomputed in backward (activation checkpointing).
+
+    ``body`` is the run as it was in the model graph (a placeholder per outside value it reads,
+    an output tuple of the values used after it): :func:`inline_segments` copies it back.
+    ``runnable`` is the same computation taking ``(inputs..., attributes...)``, where the
+    attributes are the tensors and modules the run fetched from the model: the segmented graph
+    passes them in, so the segment holds none of them.
+    """
+
+    def __init__(self, body: fx.Graph, attributes: list[str], module_args: dict[int, str]) -> None:
+        super().__init__()
+        self.body = body
+        self.attributes = attributes
+        self.module_args = module_args  # the call's arguments that are modules: index -> path
+        self.runnable = fx.GraphModule(nn.Module(), _runnable_graph(body, attributes))
+
+    @property
+    def num_outputs(self) -> int:
+        return len(_output_values(self.body))
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.runnable(*args)
+        for index, path in self.module_args.items():
+            _refuse_training_batchnorm(args[index], path)
+        return checkpoint(self.runnable, *args, use_reentrant=False)
+
+
+def _refuse_training_batchnorm(module: nn.Module, path: str) -> None:
+    for name, sub in module.named_modules():
+        if isinstance(sub, _BatchNorm) and sub.training:
+            where = f"{path}.{name}" if name else path
+            raise ConfigError(
+                f"BatchNorm '{where}' is in training mode inside a part of the model that odeify "
+                "recomputes in backward (to keep the whole model memory-free): the recompute would "
+                "update its running statistics a second time. Fold it into the conv before it "
+                "(odeify.convert does), freeze it with .eval(), or train with backward='backprop' "
+                "(or a per-stage dict) so that nothing outside the stages is recomputed."
+            )
+
+
+def checkpoint_segments(gm: fx.GraphModule) -> fx.GraphModule:
+    """Wrap every maximal run of non-stage nodes of ``gm`` into a :class:`Segment`, in place.
+
+    Stage calls, placeholders and the output stay in the model graph; a run between them becomes
+    one ``call_module`` node (plus ``getitem`` nodes when it has several outputs). Applying it to
+    a graph that already has segments changes nothing.
+    """
+    if has_segments(gm):
+        return gm
+    stages = {node for node in gm.graph.nodes if _calls(gm, node, StageIR)}
+    runs: list[list[fx.Node]] = [[]]
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or node in stages:
+            runs.append([])
+        else:
+            runs[-1].append(node)
+    members = {node: i for i, run in enumerate(runs) for node in run}
+    graph = _empty_like(gm.graph)
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node not in members:
+            env[node] = graph.node_copy(node, env.__getitem__)
+        elif node is runs[members[node]][-1]:  # the run is complete: emit it as one segment
+            _emit_segment(gm, graph, runs[members[node]], env, len(list(_segment_names(gm))))
+    _install(gm, graph)
+    return gm
+
+
+def inline_segments(gm: fx.GraphModule) -> fx.GraphModule:
+    """Undo :func:`checkpoint_segments` in place: the graph it started from, node for node."""
+    segments = [node for node in gm.graph.nodes if _is_segment_call(gm, node)]
+    if not segments:
+        return gm
+    graph = _empty_like(gm.graph)
+    env: dict[fx.Node, fx.Node] = {}
+    skip = {a for node in segments for a in node.args if _is_segment_attribute(a)}
+    for node in gm.graph.nodes:
+        if node in skip or (
+            node.op == "call_function" and node.target is operator.getitem and node.args[0] in segments
+        ):
+            continue
+        if node not in segments:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            continue
+        segment: Segment = gm.get_submodule(node.target)
+        body = segment.body
+        placeholders = [n for n in body.nodes if n.op == "placeholder"]
+        values = {ph: env[arg] for ph, arg in zip(placeholders, node.args, strict=False)}
+        outputs = graph.graph_copy(body, values)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if len(outputs) == 1:
+            env[node] = outputs[0]
+        for user in node.users:
+            if user.op == "call_function" and user.target is operator.getitem:
+                env[user] = outputs[user.args[1]]
+    _install(gm, graph)
+    for name in [node.target for node in segments]:
+        delattr(gm, name)
+    return gm
+
+
+def has_segments(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` has been through :func:`checkpoint_segments` (and not inlined since)."""
+    return any(_is_segment_call(gm, node) for node in gm.graph.nodes)
+
+
+# -- building a segment ----------------------------------------------------------------------------
+def _emit_segment(
+    gm: fx.GraphModule, graph: fx.Graph, run: list[fx.Node], env: dict[fx.Node, fx.Node], index: int
+) -> None:
+    """Write ``run`` into ``graph`` as one segment call; map its used outputs in ``env``."""
+    inside = set(run)
+    inputs = list(dict.fromkeys(a for node in run for a in node.all_input_nodes if a not in inside))
+    outputs = [node for node in run if any(user not in inside for user in node.users)]
+    body = fx.Graph()
+    body_env: dict[fx.Node, fx.Node] = {}
+    for value in inputs:
+        body_env[value] = body.placeholder(value.name, type_expr=value.type)
+        body_env[value].meta = dict(value.meta)
+    for node in run:
+        body_env[node] = body.node_copy(node, body_env.__getitem__)
+    body.output(tuple(body_env[node] for node in outputs))
+
+    attributes = list(dict.fromkeys(node.target for node in run if node.op in ("get_attr", "call_module")))
+    module_args = {
+        len(inputs) + i: path
+        for i, path in enumerate(attributes)
+        if isinstance(_attribute(gm, path), nn.Module)
+    }
+    name = f"{SEGMENT_PREFIX}{index}"
+    gm.add_submodule(name, Segment(body, attributes, module_args))
+    fetched = []
+    for path in attributes:
+        node = graph.get_attr(path)
+        node.meta[META_KEY] = {"role": "segment_attribute"}
+        fetched.append(node)
+    call = graph.call_module(name, (*(env[value] for value in inputs), *fetched))
+    call.meta[META_KEY] = {"role": "segment"}
+    if len(outputs) == 1:
+        call.meta["tensor_meta"] = outputs[0].meta.get("tensor_meta")
+        env[outputs[0]] = call
+        return
+    for i, node in enumerate(outputs):
+        item = graph.call_function(operator.getitem, (call, i))
+        item.meta["tensor_meta"] = node.meta.get("tensor_meta")
+        env[node] = item
+
+
+def _runnable_graph(body: fx.Graph, attributes: list[str]) -> fx.Graph:
+    """``body`` as a function of ``(inputs..., attributes...)``: fetches and module calls become inputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    fetched: dict[str, fx.Node] = {}
+    for node in body.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+    for i, path in enumerate(attributes):
+        fetched[path] = graph.placeholder(f"attribute_{i}")
+    for node in body.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "get_attr":
+            env[node] = fetched[node.target]
+        elif node.op == "call_module":
+            args = fx.map_arg(node.args, env.__getitem__)
+            kwargs = fx.map_arg(node.kwargs, env.__getitem__)
+            env[node] = graph.create_node(
+                "call_function", call_module, (fetched[node.target], *args), kwargs, name=node.name
+            )
+        elif node.op == "output":
+            values = fx.map_arg(node.args[0], env.__getitem__)
+            graph.output(values[0] if len(values) == 1 else values)
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    return graph
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def _attribute(gm: fx.GraphModule, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _output_values(body: fx.Graph) -> tuple:
+    return next(n for n in body.nodes if n.op == "output").args[0]
+
+
+def _calls(gm: fx.GraphModule, node: fx.Node, kind: type[nn.Module]) -> bool:
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), kind)
+
+
+def _is_segment_call(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return _calls(gm, node, Segment)
+
+
+def _is_segment_attribute(node: object) -> bool:
+    return isinstance(node, fx.Node) and node.meta.get(META_KEY, {}).get("role") == "segment_attribute"
+
+
+def _segment_names(gm: fx.GraphModule):
+    return (name for name, module in gm.named_children() if isinstance(module, Segment))
+
+
+def _empty_like(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    new._codegen = graph._codegen
+    return new
+
+
+def _install(gm: fx.GraphModule, graph: fx.Graph) -> None:
+    graph.lint()
+    gm.graph = graph
+    gm.recompile()
