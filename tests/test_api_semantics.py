@@ -1,0 +1,157 @@
+"""The API's rules a user relies on, each against what the user would otherwise see.
+
+- ``retarget`` returns a new module; ``set_backward`` changes the model in place, so an optimizer
+  built before still trains it; ``ODEStage.configure`` on a stage inlined into a converted model
+  refuses (it could not take effect), and ``stage.standalone()`` gives a copy that may be configured;
+- ``convert`` never changes the caller's module and keeps its train/eval mode;
+- a stage whose template changes after a forward rebuilds its graphs;
+- ``odeify.model_code`` shows every stage's integrator, whatever its backward mode;
+- requests that would build something enormous fail at once, with the estimate and the limit;
+- bad arguments raise an ``OdeifyError`` naming the problem where they enter.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import odeify
+from odeify.digits import DIGITS_SIZE
+from odeify.errors import ConfigError, OdeifyError
+from odeify.loading import load_model
+from odeify.settings import DEFAULT_MODEL_PATH
+
+SHAPE = (4, 1, DIGITS_SIZE, DIGITS_SIZE)
+
+
+@pytest.fixture(scope="module")
+def source() -> torch.nn.Module:
+    return load_model(DEFAULT_MODEL_PATH)
+
+
+@pytest.fixture
+def converted(source) -> torch.fx.GraphModule:
+    return odeify.convert(source)
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g), torch.randint(0, 10, (SHAPE[0],), generator=g)
+
+
+def test_set_backward_keeps_the_parameters_an_optimizer_holds(converted) -> None:
+    optimizer = torch.optim.SGD(converted.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in converted.named_parameters()}
+    same = odeify.set_backward(converted, "checkpoint")
+    assert same is converted and all(s.backward == "checkpoint" for s in odeify.converted_stages(same))
+    x, y = batch()
+    F.cross_entropy(same(x), y).backward()
+    optimizer.step()
+    changed = [n for n, p in converted.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)  # every parameter trained, knots included
+
+
+def test_retarget_returns_a_new_module_and_leaves_the_input(converted) -> None:
+    rk4 = odeify.retarget(converted, integrator="rk4")
+    assert rk4 is not converted
+    assert {s.integrator.name for s in odeify.converted_stages(converted)} == {"euler"}
+    assert not any(p is q for p in rk4.parameters() for q in converted.parameters())
+
+
+def test_configure_on_an_inlined_stage_refuses_and_standalone_works(converted) -> None:
+    stage = odeify.converted_stages(converted)[0]
+    with pytest.raises(ConfigError, match="odeify.retarget"):
+        stage.configure(integrator="rk4")
+    alone = stage.standalone()
+    alone.configure(integrator="rk4", steps=2)
+    x = torch.randn(2, 16, 8, 8).relu()
+    with torch.no_grad():
+        rk4_stage = odeify.converted_stages(odeify.retarget(converted, integrator="rk4", steps=2))[0]
+        torch.testing.assert_close(alone(x), rk4_stage.standalone()(x), rtol=0, atol=0)
+
+
+def test_convert_leaves_the_callers_module_alone(source) -> None:
+    model = copy.deepcopy(source).train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = odeify.convert(model)
+    assert model.training and converted.training  # the caller's mode, kept and mirrored
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert odeify.convert(model.eval()).training is False
+
+
+def test_a_changed_template_rebuilds_the_stage_graphs(converted) -> None:
+    stage = odeify.converted_stages(converted)[0].standalone()
+    x = torch.randn(2, 16, 8, 8).relu()
+    with torch.no_grad():
+        before = stage(x)
+        act = next(n for n in stage.template.graph.nodes if n.op == "call_module" and "act2" in n.target)
+        act.target = "act1"  # a structural edit of the template (act1 is ReLU too: same values)
+        stage.template.add_submodule("act1", torch.nn.Tanh())  # ... now it is not
+        stage.template.recompile()
+        after = stage(x)
+    assert not torch.allclose(before, after)
+    fresh = stage.standalone()
+    with torch.no_grad():
+        torch.testing.assert_close(after, fresh(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backward", ["backprop", "checkpoint", "reverse"])
+def test_model_code_shows_the_integrator_in_every_backward_mode(converted, backward: str) -> None:
+    model = odeify.retarget(converted, integrator="midpoint", steps=2, backward=backward)
+    code = odeify.model_code(model)
+    for stage in odeify.converted_stages(model):
+        assert f"{stage.stage_name}_F_s1_2" in code  # the second field evaluation of step 1
+    if backward != "backprop":
+        assert "layer1_ode(" in model.code and "layer1_F_s1_2" not in model.code
+
+
+def test_enormous_requests_fail_at_once_with_the_estimate(converted) -> None:
+    for kwargs, needle in [
+        ({"steps": 10**7}, "ODEIFY_MAX_GRAPH_NODES"),
+        ({"steps": "x1000000"}, "ODEIFY_MAX_GRAPH_NODES"),
+    ]:
+        start = time.perf_counter()
+        with pytest.raises(ConfigError, match=needle):
+            odeify.retarget(converted, **kwargs)
+        assert time.perf_counter() - start < 10
+    fine = odeify.retarget(converted, knots=600, basis="cubic")  # refining: cheap
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="ODEIFY_MAX_FIT_WORK"):  # an exact 600 -> 599 fit: not cheap
+        odeify.retarget(fine, knots=599)
+    assert time.perf_counter() - start < 10
+
+
+def test_the_limits_can_be_raised(converted, monkeypatch) -> None:
+    with pytest.raises(ConfigError, match="ODEIFY_MAX_GRAPH_NODES"):
+        odeify.retarget(converted, steps=100_000)
+    monkeypatch.setenv("ODEIFY_MAX_GRAPH_NODES", str(10**7))
+    assert odeify.converted_stages(odeify.retarget(converted, steps=200))[0].steps == 200
+    monkeypatch.setenv("ODEIFY_MAX_GRAPH_NODES", "lots")
+    with pytest.raises(ConfigError, match="positive integer"):
+        odeify.retarget(converted, steps=3)
+
+
+BAD_CALLS = {
+    "backward=None": lambda m, src: odeify.convert(src, backward=None),
+    "backward unknown": lambda m, src: odeify.set_backward(m, "adjoint"),
+    "reversible on euler": lambda m, src: odeify.set_backward(m, "reversible"),
+    "retarget a plain module": lambda m, src: odeify.retarget(torch.nn.Linear(2, 2), steps=2),
+    "set_backward a string": lambda m, src: odeify.set_backward("model.safetensors", "checkpoint"),
+    "convert a converted model": lambda m, src: odeify.convert(m),
+    "leaf_modules names": lambda m, src: odeify.convert(src, leaf_modules=["abc"]),
+    "fp64 input to fp32 model": lambda m, src: m(torch.randn(SHAPE, dtype=torch.float64)),
+    "float steps": lambda m, src: odeify.retarget(m, steps=2.0),
+    "unknown stage": lambda m, src: odeify.retarget(m, steps={"layer9": 2}),
+    "model_code of a plain module": lambda m, src: odeify.model_code(torch.nn.Linear(2, 2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_arguments_raise_a_clear_error(converted, source, case: str) -> None:
+    with pytest.raises(OdeifyError) as caught:
+        BAD_CALLS[case](converted, source)
+    assert len(str(caught.value)) > 40  # a sentence that names the problem and the fix
