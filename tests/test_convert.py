@@ -1,6 +1,6 @@
 """``odeify.convert``: exact at native depth across the timm ResNet zoo, and clear errors on bad input.
 
-Exactness (DESIGN.md section 2): Euler with steps = L (the default) and any basis reproduces the eager
+Exactness (docs/design.md): Euler with steps = L (the default) and any basis reproduces the eager
 model, because every basis passes through the knots and the knots are the blocks' own weights. Test
 models have non-trivial residual branches (``make_test_model``: no zero-init of the last BN,
 randomised BN statistics), so an identity stage would fail. fp32 is converted from the fp32 model and
