@@ -231,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", metavar="DIR", default="runs/finetune", help="output folder (default: runs/finetune)"
     )
     finetune.add_argument(
+        "--distill",
+        type=_fraction,
+        help="weight of distillation from the model at native depth, 0..1 (default: the recipe's, 1; "
+        "0 when the data's classes differ from the model's)",
+    )
+    finetune.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its last completed epoch"
     )
     finetune.add_argument(
@@ -466,6 +472,13 @@ def _nonnegative_float(text: str) -> float:
     value = _float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0; got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1; got {text!r}")
     return value
 
 

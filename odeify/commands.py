@@ -127,15 +127,19 @@ def _manifestation(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in MANIFESTATION if getattr(args, k, None) is not None}
 
 
-def _converted(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
-    """CONVERTED loaded, or MODEL converted with the given manifestation; and its display name."""
-    settings = _manifestation(args)
+def _loaded(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
+    """CONVERTED as saved, or MODEL converted at native depth; and its display name."""
     source = _source(args)
     if is_converted_file(source):
-        model = odeify.load(source)
-        return (odeify.retarget(model, **settings) if settings else model), Path(source).name
-    name = Path(args.model).name if args.model else DEFAULT_MODEL_PATH.name
-    return _convert_source(args, **settings), name
+        return odeify.load(source), Path(source).name
+    return _convert_source(args), Path(args.model).name if args.model else DEFAULT_MODEL_PATH.name
+
+
+def _converted(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
+    """:func:`_loaded`, in the manifestation the flags ask for."""
+    model, name = _loaded(args)
+    settings = _manifestation(args)
+    return (odeify.retarget(model, **settings) if settings else model), name
 
 
 def _output_file(path: str | None, what: str = "-o") -> Path | None:
@@ -249,10 +253,7 @@ def _plot_weight_path(model: fx.GraphModule, name: str, path: Path) -> None:
 
 def _code_listing(model: fx.GraphModule) -> str:
     """The converted model's Python, with each stage's integrator code in every backward mode."""
-    parts = [f"# {type(model).__name__}: the converted model\n{model.code}"]
-    for stage in odeify.converted_stages(model):
-        parts.append(f"# stage {stage.stage_name}: the unrolled integrator\n{stage.unrolled_graph().code}")
-    return "\n".join(parts)
+    return odeify.model_code(model)
 
 
 # -- convert, retarget -----------------------------------------------------------------------------
@@ -428,7 +429,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     plot = _output_file(args.plot, "--plot")
     markdown = _output_file(args.markdown, "--markdown")
-    model, name = _converted(args)
+    model, name = _loaded(args)
     model = model.to(_device())
     loader = _val_batches(args, model)
     points = sweep(
@@ -485,7 +486,14 @@ def run_finetune(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from odeify.datasets import open_data
-    from odeify.finetune import DEFAULT_RECIPE, finetune, read_run, start_processes, stop_processes
+    from odeify.finetune import (
+        DEFAULT_RECIPE,
+        finetune,
+        native_depth,
+        read_run,
+        start_processes,
+        stop_processes,
+    )
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -508,18 +516,23 @@ def run_finetune(args: argparse.Namespace) -> int:
         DEFAULT_RECIPE,
         **{
             k: getattr(args, k)
-            for k in ("epochs", "lr", "weight_decay", "batch_size")
+            for k in ("epochs", "lr", "weight_decay", "batch_size", "distill")
             if getattr(args, k) is not None
         },
     )
     processes = start_processes()
     try:
-        model, name = _converted(_without_backward(args))
-        model = _finetuning_backward(model, args.backward)
+        loaded, name = _loaded(args)
+        settings = {**_manifestation(args), "backward": _finetuning_backward(loaded, args)}
+        model = odeify.retarget(loaded, **settings)
         data = open_data(args.data, model)
+        teacher = None
+        if recipe.distill > 0 and _classes_differ(model, data.num_classes):
+            recipe = replace(recipe, distill=0.0)
+            _note("note: the data's classes differ from the model's: fine-tuning without distillation")
+        if recipe.distill > 0:
+            teacher = native_depth(loaded)
         _match_classes(model, data.num_classes)
-        if processes.is_main:
-            _note(_finetune_header(model, name, args.data, processes))
         finetune(
             model,
             data,
@@ -531,6 +544,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             max_batches=args.max_batches,
             workers=args.workers,
             processes=processes,
+            teacher=teacher,
             run_info={"cli": {k: getattr(args, k) for k in RECORDED}},
         )
     finally:
@@ -538,24 +552,26 @@ def run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _without_backward(args: argparse.Namespace) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "backward": None})
+def _finetuning_backward(model: fx.GraphModule, args: argparse.Namespace) -> str | dict[str, str]:
+    """--backward, or per stage: a memory-free mode a stage already has, else reversible for
+    reversible Heun and checkpoint for any other integrator (as --integrator leaves it)."""
+    from odeify.tableaus import resolve_integrator
 
-
-def _finetuning_backward(model: fx.GraphModule, backward: str | None) -> fx.GraphModule:
-    """``backward`` for every stage; without it, memory-free stages keep theirs and backprop ones change
-    to reversible (reversible Heun) or checkpoint (any other integrator)."""
-    from odeify.tableaus import ReversibleHeun
-
+    if args.backward is not None:
+        return args.backward
     modes = {}
     for stage in odeify.converted_stages(model):
-        if backward is not None:
-            modes[stage.stage_name] = backward
-        elif stage.backward == "backprop":
-            modes[stage.stage_name] = (
-                "reversible" if isinstance(stage.integrator, ReversibleHeun) else "checkpoint"
-            )
-    return odeify.retarget(model, backward=modes) if modes else model
+        integrator = resolve_integrator(args.integrator) if args.integrator else stage.integrator
+        if stage.backward != "backprop" and args.integrator is None:
+            modes[stage.stage_name] = stage.backward
+        else:
+            modes[stage.stage_name] = "reversible" if integrator.name == "reversible_heun" else "checkpoint"
+    return modes
+
+
+def _classes_differ(model: fx.GraphModule, classes: int) -> bool:
+    have = getattr(model, "num_classes", None)
+    return have is not None and have != classes
 
 
 def _match_classes(model: fx.GraphModule, classes: int) -> None:
@@ -573,17 +589,6 @@ def _match_classes(model: fx.GraphModule, classes: int) -> None:
         )
 
 
-def _finetune_header(model: fx.GraphModule, name: str, data: str, processes) -> str:
-    from odeify.report import describe
-
-    stages = "; ".join(
-        f"{s.name}: {s.integrator}, {s.steps} steps, {s.knots} {s.basis} knots, backward {s.backward}"
-        for s in describe(model).stages
-    )
-    where = f"{processes.world_size} process(es) on {processes.device.type}"
-    return f"fine-tuning {name} on {data} ({where}): {stages}"
-
-
 def _fill_from_record(args: argparse.Namespace, run: dict) -> None:
     """Take every setting not given on the command line from the recorded run (given ones must match)."""
     recorded = run.get("cli", {})
@@ -591,7 +596,7 @@ def _fill_from_record(args: argparse.Namespace, run: dict) -> None:
         if not getattr(args, key, None) and recorded.get(key) is not None:
             setattr(args, key, recorded[key])
     recipe = run.get("recipe", {})
-    for key in ("epochs", "lr", "weight_decay", "batch_size"):
+    for key in ("epochs", "lr", "weight_decay", "batch_size", "distill"):
         if getattr(args, key) is None:
             setattr(args, key, recipe.get(key))
     for key in ("refine_at", "seed", "max_batches"):

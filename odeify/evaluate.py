@@ -1,4 +1,4 @@
-"""Evaluate a model on labelled batches: accuracy, loss, field evaluations and time per batch."""
+"""Measure a model: accuracy, loss, field evaluations and time per batch; memory kept for backward."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from odeify.conversion import converted_stages
 from odeify.emit import count_evaluations
 from odeify.errors import ConfigError
 
-__all__ = ["Evaluation", "evaluate", "field_evaluations"]
+__all__ = ["Evaluation", "evaluate", "field_evaluations", "saved_for_backward"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,27 @@ def evaluate(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def saved_for_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes autograd keeps between forward and backward in one training step on ``(x, y)``.
+
+    Every tensor packed for backward (``saved_tensors_hooks``) counts once per storage; the
+    parameters' own storages are left out (they exist anyway). The model is left in train mode
+    with its gradients cleared.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in params:
+            storages[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())

@@ -68,6 +68,7 @@ __all__ = [
     "TrainingDiverged",
     "finetune",
     "learning_rate_factor",
+    "native_depth",
     "read_run",
     "refine",
     "start_processes",
@@ -93,6 +94,9 @@ class Recipe:
     The learning rate rises linearly from 0 over the first ``warmup`` fraction of all steps, then
     follows a cosine to 0 at the last step. ``weight_decay`` applies to weight matrices and
     convolution kernels only (timm's grouping: biases, norms and knot biases are not decayed).
+    The loss is ``(1 - distill) * cross-entropy + distill * T^2 * KL(teacher || model)`` at
+    temperature ``T``: with a teacher (the converted model at native depth, which is the source
+    network), the coarse model learns the source's function, not only its labels.
     """
 
     epochs: int = 3
@@ -103,6 +107,8 @@ class Recipe:
     weight_decay: float = 0.05
     label_smoothing: float = 0.0
     clip_grad_norm: float | None = 5.0
+    distill: float = 1.0
+    temperature: float = 2.0
 
     def __post_init__(self) -> None:
         checks = {
@@ -113,6 +119,8 @@ class Recipe:
             "weight_decay": math.isfinite(self.weight_decay) and self.weight_decay >= 0,
             "label_smoothing": 0 <= self.label_smoothing < 1,
             "clip_grad_norm": self.clip_grad_norm is None or self.clip_grad_norm > 0,
+            "distill": 0 <= self.distill <= 1,
+            "temperature": math.isfinite(self.temperature) and self.temperature > 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -120,7 +128,7 @@ class Recipe:
             raise ConfigError(
                 f"invalid fine-tuning setting(s): {got}. epochs and batch_size must be positive integers, "
                 "lr a positive number, warmup in [0, 1), weight_decay >= 0, label_smoothing in [0, 1), "
-                "clip_grad_norm positive or None."
+                "clip_grad_norm positive or None, distill in [0, 1], temperature positive."
             )
 
 
@@ -207,6 +215,24 @@ def refine(model: fx.GraphModule) -> fx.GraphModule:
     )
 
 
+def native_depth(model: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``model`` run as Euler at native depth (one step per block): the distillation teacher.
+
+    With one knot per block, as converted, this is the source network itself.
+    """
+    return retarget(model, integrator="euler", steps="native", backward="backprop").eval()
+
+
+def _check_classes(model: nn.Module, data: LabelledData) -> None:
+    classes = getattr(model, "num_classes", None)
+    if classes is not None and classes != data.num_classes:
+        raise ConfigError(
+            f"the model predicts {classes} classes but {data.name} has {data.num_classes}: distilling from "
+            "the model at native depth needs the same classes. Fine-tune without distillation (recipe "
+            "distill=0, CLI --distill 0) after resetting the classifier (model.reset_classifier)."
+        )
+
+
 def finetune(
     model: fx.GraphModule,
     data: LabelledData,
@@ -219,20 +245,25 @@ def finetune(
     max_batches: int | None = None,
     workers: int = 0,
     processes: Processes | None = None,
+    teacher: nn.Module | None = None,
     run_info: Mapping[str, Any] | None = None,
     progress: bool = True,
     log: Callable[[str], None] = tqdm.write,
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
 
-    ``max_batches`` cuts each epoch short (quick tries). ``run_info`` is recorded with the run and
-    must match on resume, with every other setting (a resumed run continues the recorded one).
-    ``log`` receives one line per epoch and per event (rank 0 only).
+    ``teacher``: what the recipe distills from (``recipe.distill > 0``); default: ``model`` at native
+    depth as it is now (:func:`native_depth`); pass the model from before a knot compression, which
+    is closer to the source. ``max_batches`` cuts each epoch short (quick tries). ``run_info`` is
+    recorded with the run and must match on resume, with every other setting (a resumed run
+    continues the recorded one). ``log`` receives one line per epoch and per event (rank 0 only).
     """
     if not converted_stages(model):
         raise ConfigError(
             "finetune takes a converted model (odeify.convert / odeify.load); this one has no ODE stages."
         )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("finetune got a model without trainable parameters (every requires_grad is False).")
     refine_epochs = sorted(set(refine_at))
     if any(not 2 <= e <= recipe.epochs for e in refine_epochs):
         raise ConfigError(
@@ -241,6 +272,11 @@ def finetune(
         )
     if max_batches is not None and max_batches < 1:
         raise ConfigError(f"max_batches must be a positive integer or None; got {max_batches!r}.")
+    if recipe.distill > 0:
+        _check_classes(model, data)
+        teacher = teacher if teacher is not None else native_depth(model)
+    else:
+        teacher = None
     procs = processes or Processes()
     folder = Path(out) if out is not None else None
     run = {
@@ -267,7 +303,11 @@ def finetune(
             f"the training split has {len(data.train)} samples per {procs.world_size} process(es): not one "
             f"full batch of {recipe.batch_size}. Lower --batch-size."
         )
-    trainer = _Trainer(model.to(procs.device), recipe, procs, batches * recipe.epochs)
+    if teacher is not None:
+        teacher = teacher.to(procs.device).eval()
+    if procs.is_main:
+        log(_header(model, procs))
+    trainer = _Trainer(model.to(procs.device), recipe, procs, batches * recipe.epochs, teacher)
     history: list[EpochRecord] = []
     start = 1
     if resume:
@@ -287,8 +327,11 @@ def finetune(
             from odeify.io import save
 
             save(trainer.model, folder / BEST_FILE)
+        teacher_accuracy = _validate(teacher, val_loader, procs) if teacher is not None else None
         if procs.is_main:
             log(f"epoch 0 (before fine-tuning): val accuracy {history[0].val_accuracy:.2%}")
+            if teacher_accuracy is not None:
+                log(_teacher_line(teacher_accuracy, history[0].val_accuracy, recipe))
     for epoch in range(start, recipe.epochs + 1):
         if epoch in refine_epochs:
             before = _shape(trainer.model)
@@ -315,8 +358,15 @@ def finetune(
 class _Trainer:
     """The model, its (DDP) training wrapper, optimizer and step counter; one epoch at a time."""
 
-    def __init__(self, model: fx.GraphModule, recipe: Recipe, procs: Processes, total_steps: int) -> None:
-        self.recipe, self.procs, self.total_steps = recipe, procs, total_steps
+    def __init__(
+        self,
+        model: fx.GraphModule,
+        recipe: Recipe,
+        procs: Processes,
+        total_steps: int,
+        teacher: nn.Module | None,
+    ) -> None:
+        self.recipe, self.procs, self.total_steps, self.teacher = recipe, procs, total_steps, teacher
         self.step = 0
         self.model = model
         self.optimizer = self._optimizer()
@@ -371,7 +421,7 @@ class _Trainer:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = self.wrapped(x)
-            loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
+            loss = self._loss(logits, x, y)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             where = f"epoch {epoch}, batch {index + 1}/{batches} (optimizer step {self.step + 1})"
@@ -379,11 +429,14 @@ class _Trainer:
                 raise TrainingDiverged(
                     f"fine-tuning stopped at {where}: the loss is {loss.item()}. {_ADVICE}"
                 )
-            norm = torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm or math.inf)
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
             if not torch.isfinite(norm):
                 raise TrainingDiverged(
                     f"fine-tuning stopped at {where}: {_bad_gradient(self.model)}. {_ADVICE}"
                 )
+            if recipe.clip_grad_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, recipe.clip_grad_norm, norm)
             self.optimizer.step()
             self.step += 1
             n = len(y)
@@ -406,6 +459,18 @@ class _Trainer:
             lr=lr,
             **_shape(self.model),
         )
+
+    def _loss(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy, mixed with the distillation loss against the teacher when the recipe asks."""
+        recipe = self.recipe
+        loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
+        if self.teacher is None:
+            return loss
+        with torch.no_grad():
+            target = F.log_softmax(self.teacher(x) / recipe.temperature, dim=1)
+        student = F.log_softmax(logits / recipe.temperature, dim=1)
+        kl = F.kl_div(student, target, log_target=True, reduction="batchmean") * recipe.temperature**2
+        return (1 - recipe.distill) * loss + recipe.distill * kl
 
     def save(self, folder: Path, epoch: int, history: list[EpochRecord], run: dict, improved: bool) -> None:
         """Write state, last, best (if ``improved``) and history on rank 0; every rank waits for it."""
@@ -479,6 +544,25 @@ def _reseed(seed: int, epoch: int, rank: int) -> None:
     torch.manual_seed(value)
     np.random.seed(value)
     random.seed(value)
+
+
+def _header(model: nn.Module, procs: Processes) -> str:
+    stages = "; ".join(
+        f"{s.stage_name}: {s.integrator.name}, {s.steps} steps, {s.num_knots} {s.basis} knots, "
+        f"backward {s.backward}"
+        for s in converted_stages(model)
+    )
+    return f"fine-tuning on {procs.world_size} process(es) on {procs.device.type}: {stages}"
+
+
+def _teacher_line(teacher_accuracy: float, start: float, recipe: Recipe) -> str:
+    line = (
+        f"distilling (weight {recipe.distill:g}, temperature {recipe.temperature:g}) from the model at "
+        f"native depth: val accuracy {teacher_accuracy:.2%}"
+    )
+    if teacher_accuracy < start:
+        line += " -- below the model's own; fine-tune without distillation (distill=0, --distill 0) instead"
+    return line
 
 
 def _refine_message(epoch: int, before: dict, after: dict, kept: int, optimizer: str) -> str:

@@ -1,19 +1,36 @@
-"""Tests for the ``odeify`` command, run in-process through ``odeify.cli.main``."""
+"""The ``odeify`` command: every command on the shipped model, in-process and in a subprocess.
+
+The oracles are independent of the CLI: the source model's own outputs and accuracy computed
+here, the integrators' evaluation counts (stages x steps), the block counts of the timm model,
+and the Python API where the CLI only fronts it. Bad input must end with exit code 2 and one
+paragraph, never a traceback.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import odeify
 from odeify.cli import main
+from odeify.commands import verify
+from odeify.digits import load_digits
+from odeify.settings import DEFAULT_MODEL_PATH
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = ["--input-size", "3", "64", "64"]
 RESNET18_RUNS = {"layer1": 2, "layer2": 1, "layer3": 1, "layer4": 1}
+COMMANDS = ["inspect", "convert", "retarget", "finetune", "eval", "sweep", "plot", "demo", "list"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _rows(text: str) -> list[list[str]]:
@@ -23,12 +40,39 @@ def _rows(text: str) -> list[list[str]]:
     ]
 
 
-def test_help_exits_zero_and_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(scope="module")
+def source() -> torch.nn.Module:
+    return odeify.load_model(DEFAULT_MODEL_PATH)
+
+
+@pytest.fixture(scope="module")
+def converted_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "digits_ode.safetensors"
+    assert main(["convert", "-o", str(path)]) == 0
+    return path
+
+
+def digits_accuracy(model: torch.nn.Module) -> float:
+    """The digits test accuracy by a plain argmax loop (not odeify.evaluate)."""
+    x, y = load_digits("test")
+    with torch.no_grad():
+        return (model.eval()(x).argmax(1) == y).double().mean().item()
+
+
+# -- help, version -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"usage: odeify {command}" in out
+    if command != "list":
+        assert "examples:" in out and f"odeify {command}" in out.split("examples:")[1]
+
+
+def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "examples:" in out and "odeify inspect" in out and "odeify convert" in out
-    assert main(["convert", "--help"]) == 0
-    assert "--check" in capsys.readouterr().out
+    assert all(command in out for command in COMMANDS) and "examples:" in out
 
 
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,6 +80,25 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
     assert "usage:" in capsys.readouterr().err
 
 
+def test_help_version_and_list_do_not_import_torch() -> None:
+    """`odeify --help`, `--version` and `list` answer without importing torch or timm."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from odeify.cli import main\n"
+        "out = io.StringIO()\n"
+        "for argv in (['--help'], ['list'], ['--version']):\n"
+        "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "print(sorted(m for m in ('torch', 'timm') if m in sys.modules))\n"
+        "print(out.getvalue().splitlines()[-1])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imported, version = done.stdout.strip().splitlines()
+    assert imported == "[]"
+    assert version.startswith(f"odeify {odeify.__version__} (torch {torch.__version__.split('+')[0]}")
+
+
+# -- inspect a source model --------------------------------------------------------------------------
 def test_inspect_resnet18_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "resnet18", *SMALL]) == 0
     out = capsys.readouterr().out
@@ -44,7 +107,6 @@ def test_inspect_resnet18_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert runs == RESNET18_RUNS
     layer1 = next(r for r in rows if r[0] == "layer1")
     assert layer1[3:7] == ["identity", "post-activation", "ReLU", "64x16x16"]
-    assert "blocks that stay discrete" in out
     discrete = [r for r in rows if r[1:2] == ["projection"]]
     assert [r[0] for r in discrete] == ["layer2.0", "layer3.0", "layer4.0"]
 
@@ -57,84 +119,278 @@ def test_inspect_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(data["discrete"]) == 3
 
 
-def test_inspect_dot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "resnet18.dot"
-    assert main(["inspect", "resnet18", *SMALL, "--dot", str(path), "--json"]) == 0
-    json.loads(capsys.readouterr().out)  # the DOT notice goes to stderr
-    assert [p.name for p in tmp_path.iterdir()] == ["resnet18.dot"]  # no temporary file left behind
-    dot = path.read_text()
-    assert dot.startswith('digraph "resnet18" {') and dot.rstrip().endswith("}")
-    assert len(re.findall(r"subgraph cluster_\w+ \{", dot)) == 4
-    assert 'label="layer1 (2 blocks)"' in dot and 'label="layer4 (1 block)"' in dot
+def _check_dot(dot: str, clusters: int) -> set[str]:
+    """Balanced braces, the expected clusters, and edges between declared nodes; returns the nodes."""
     unquoted = re.sub(r'"(?:[^"\\]|\\.)*"', '""', dot)
     assert unquoted.count("{") == unquoted.count("}")
+    assert len(re.findall(r"subgraph cluster_\w+ \{", dot)) == clusters
     declared = set(re.findall(r'^\s*"(\w+)" \[label=', dot, re.M))
     edges = re.findall(r'^\s*"(\w+)" -> "(\w+)"', dot, re.M)
     assert edges and all(a in declared and b in declared for a, b in edges)
-    assert {"x", "output"} <= declared
+    return declared
+
+
+def test_inspect_dot_draws_traced_and_converted_graphs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "resnet18.dot"
+    assert main(["inspect", "resnet18", *SMALL, "--dot", str(path), "--json"]) == 0
+    json.loads(capsys.readouterr().out)  # the DOT notice goes to stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet18.converted.dot", "resnet18.dot"]
+    dot = path.read_text()
+    assert dot.startswith('digraph "resnet18" {')
+    assert {"x", "output"} <= _check_dot(dot, clusters=4)
+    assert 'label="layer1 (2 blocks)"' in dot and 'label="layer4 (1 block)"' in dot
     assert dot.count("style=dashed") == sum(RESNET18_RUNS.values())  # one skip edge per identity block
+    converted = (tmp_path / "resnet18.converted.dot").read_text()
+    _check_dot(converted, clusters=4)
+    assert "layer1: euler, 2 steps, 2 constant knots, backward backprop" in converted
 
 
-def test_convert_digits_check(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["convert", "--check"]) == 0
-    out = capsys.readouterr().out
-    rows = {r[0]: r for r in _rows(out)}
-    assert rows["layer1"][2] == rows["layer1"][6] == rows["layer1"][7] == "4"  # depth, steps, NFE
-    assert rows["layer2"][7] == "3"
-    match = re.search(r"max \|diff\| (\S+), relative (\S+)", out)
-    assert match, out
-    assert float(match.group(2)) < 1e-5  # exact at native depth, to fp32 round-off
+def test_leaf_keeps_a_class_opaque(capsys: pytest.CaptureFixture[str]) -> None:
+    """With every BasicBlock a leaf the tracer sees no residual add: nothing to convert."""
+    assert main(["inspect", "resnet18", *SMALL, "--leaf", "BasicBlock"]) == 2
+    assert "no residual block" in capsys.readouterr().err
 
 
-def test_convert_json_rk4_with_check_and_code(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["convert", "--integrator", "rk4", "--steps", "2", "--knots", "2", "--json", "--check", "--code"]
+# -- convert -----------------------------------------------------------------------------------------
+def test_convert_writes_a_verified_file(
+    converted_file: Path, source: torch.nn.Module, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = converted_file.with_name("again.safetensors")
+    assert main(["convert", "-o", str(path)]) == 0
+    err = capsys.readouterr().err
+    printed = float(re.search(r"max relative error (\S+) ", err).group(1))
+    x = torch.randn((1, 1, 32, 32), generator=torch.Generator().manual_seed(0))
+    loaded = odeify.load(path)
+    with torch.no_grad():
+        expected, got = source(x), loaded(x)
+    relative = ((got - expected).abs().max() / expected.abs().max()).item()
+    assert printed == pytest.approx(relative, rel=1e-2, abs=1e-12)  # what it prints is what the file does
+    assert relative < 1e-5 and "): ok" in err
+    assert digits_accuracy(loaded) == digits_accuracy(source)
+
+
+def test_verify_fails_on_a_wrong_conversion(source: torch.nn.Module) -> None:
+    native = odeify.convert(str(DEFAULT_MODEL_PATH))
+    with torch.no_grad():
+        native.get_parameter("layer1_ode.knots.conv2_bias")[1] += 0.05
+    check = verify(source, native, (1, 1, 32, 32))
+    x = torch.randn((1, 1, 32, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = source(x)
+        relative = ((native(x) - expected).abs().max() / expected.abs().max()).item()
+    assert not check["passed"] and check["relative_error"] == pytest.approx(relative)
+    assert relative > 100 * check["tolerance"]
+
+
+def test_convert_manifestation_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rk4.safetensors"
+    argv = [
+        "convert",
+        "-o",
+        str(out),
+        "--integrator",
+        "rk4",
+        "--steps",
+        "2",
+        "--knots",
+        "2",
+        "--json",
+        "--code",
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [(s["steps"], s["nfe"], s["knots"]) for s in data["stages"]] == [(2, 8, 2), (2, 8, 2)]
-    assert data["nfe"] == 16
-    assert data["check"]["max_abs_diff"] > 0
-    assert "def forward" in data["code"]
+    assert [(s["steps"], s["nfe"], s["knots"]) for s in data["stages"]] == [
+        (2, 8, 2),
+        (2, 8, 2),
+    ]  # rk4: 4/step
+    assert data["verify"]["passed"] and "def forward" in data["code"]
+    expected = odeify.retarget(odeify.convert(str(DEFAULT_MODEL_PATH)), integrator="rk4", steps=2, knots=2)
+    x = load_digits("test")[0][:16]
+    with torch.no_grad():
+        torch.testing.assert_close(odeify.load(out)(x), expected(x), rtol=0, atol=0)
 
 
 def test_convert_steps_multiplier(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["convert", "--steps", "x2", "--json"]) == 0
+    assert main(["convert", "--steps", "x2", "--json", "--no-verify"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [s["steps"] for s in data["stages"]] == [8, 6]
+    assert [s["steps"] for s in data["stages"]] == [8, 6] and "verify" not in data
 
 
-def test_list_integrators_and_bases(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["list"]) == 0
+def test_convert_a_timm_training_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from checkpoint_files import train_checkpoint
+
+    from odeify._testing import make_test_model
+
+    path = train_checkpoint(make_test_model("resnet18", num_classes=7), tmp_path, "resnet18", 7)
+    argv = [
+        "convert",
+        str(path),
+        "--arch",
+        "resnet18",
+        "--num-classes",
+        "7",
+        "--ema",
+        *SMALL,
+        "-o",
+        str(tmp_path / "o.safetensors"),
+    ]
+    assert main(argv) == 0
+    assert "): ok" in capsys.readouterr().err
+    assert odeify.load(tmp_path / "o.safetensors").num_classes == 7
+
+
+# -- converted files: inspect, retarget, eval, sweep, plot -------------------------------------------
+def test_inspect_a_converted_file(
+    converted_file: Path, source: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["inspect", str(converted_file)]) == 0
     rows = {r[0]: r for r in _rows(capsys.readouterr().out)}
-    assert rows["rk4"][1:3] == ["4", "4"]
-    assert "reversible" in rows["reversible_heun"][3]
-    assert {"constant", "linear", "cubic"} <= rows.keys()
-    assert main(["integrators", "--json"]) == 0
+    depths = {"layer1": len(source.layer1), "layer2": len(source.layer2) - 1}  # layer2.0 projects
+    assert {name: int(rows[name][2]) for name in depths} == depths
+    assert rows["layer1"][4:7] == ["constant", "euler", "4"]
+
+    dot, png = tmp_path / "g.dot", tmp_path / "path.png"
+    assert main(["inspect", str(converted_file), "--json", "--dot", str(dot), "--plot", str(png)]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert {i["name"] for i in data["integrators"]} >= {"euler", "rk4", "reversible_heun"}
+    assert data["nfe"] == sum(depths.values())
+    _check_dot(dot.read_text(), clusters=2)
+    assert png.read_bytes().startswith(PNG)
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
+def test_inspect_code_shows_every_integrator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "heun.safetensors"
+    assert (
+        main(["convert", "-o", str(path), "--integrator", "heun", "--backward", "checkpoint", "--no-verify"])
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--code"]) == 0
+    captured = capsys.readouterr()
+    assert "def forward" in captured.out and "layer1_ode" in captured.out
+    assert "stage 'layer1'" in captured.out and "stage 'layer2'" in captured.out  # memory-free: appended
+    assert "ODE stages" in captured.err and "┃" not in captured.out  # the table went to stderr
+
+
+def test_retarget_a_converted_file(
+    converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "e1.safetensors"
+    assert (
+        main(["retarget", str(converted_file), "-o", str(out), "--steps", "1", "--backward", "checkpoint"])
+        == 0
+    )
+    stages = odeify.converted_stages(odeify.load(out))
+    assert [(s.steps, s.backward, s.num_knots) for s in stages] == [
+        (1, "checkpoint", 4),
+        (1, "checkpoint", 3),
+    ]
+
+
+def test_eval_matches_an_independent_accuracy(
+    converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["eval", str(converted_file), "--data", "digits", "--steps", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    model = odeify.retarget(odeify.load(converted_file), steps=1)
+    assert data["accuracy"] == pytest.approx(digits_accuracy(model))
+    assert data["nfe"] == 2 and data["samples"] == len(load_digits("test")[1])
+    assert data["seconds_per_batch"] > 0
+
+
+def test_sweep_table_and_plot(
+    converted_file: Path, source: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png, md = tmp_path / "sweep.png", tmp_path / "sweep.md"
+    argv = [
+        "sweep",
+        str(converted_file),
+        "--data",
+        "digits",
+        "--integrators",
+        "euler,rk4",
+        "--steps",
+        "1,native",
+    ]
+    assert main([*argv, "--plot", str(png), "--markdown", str(md)]) == 0
+    out = capsys.readouterr().out
+    rows = {(r[0], r[1]): r for r in (line.strip("| ").split(" | ") for line in out.splitlines()[2:])}
+    assert {k: int(r[3]) for k, r in rows.items()} == {  # NFE: evaluations per step x steps, both stages
+        ("euler", "1"): 2, ("euler", "native"): 7, ("rk4", "1"): 8, ("rk4", "native"): 28,
+    }  # fmt: skip
+    assert float(rows["euler", "native"][4]) == pytest.approx(100 * digits_accuracy(source), abs=0.005)
+    assert md.read_text().strip() == out.strip() and png.read_bytes().startswith(PNG)
+
+
+def test_plot_weight_path(converted_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "path.png"
+    assert main(["plot", str(converted_file), "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(PNG)
+
+
+def test_finetune_then_eval(converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    argv = ["finetune", str(converted_file), "--data", "digits", "--steps", "1", "--epochs", "1",
+            "--max-batches", "2", "--batch-size", "16", "--out", str(run)]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "backward checkpoint" in captured.out and "distilling" in captured.out
+    last = json.loads((run / "history.json").read_text())[-1]
+    assert main(["eval", str(run / "last.safetensors"), "--data", "digits", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == pytest.approx(last["val_accuracy"])
+    assert main(argv) == 2  # the folder holds a run: continue it with --resume or pick another
+    assert "--resume" in capsys.readouterr().err
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+def _bad_inputs(tmp: Path, converted: Path) -> list[tuple[list[str], str]]:
+    (tmp / "folder").mkdir(exist_ok=True)
+    (tmp / "text.txt").write_text("not a model")
+    (tmp / "no_val" / "train" / "a").mkdir(parents=True, exist_ok=True)
+    out = str(tmp / "out.safetensors")
+    tune = ["finetune", str(converted), "--data", "digits"]
+    return [
         (["inspect", "resnet5O"], "resnet50"),  # a typo: the message suggests close names
         (["inspect", "vgg11", "--input-size", "3", "32", "32"], "no residual block"),
         (["inspect", "resnet18", "--input-size", "3", "64"], "--input-size takes C H W"),
         (["inspect", "resnet18", "--input-size", "0", "64", "64"], "positive"),
         (["inspect", "resnet18", "--input-size", "1", "64", "64"], "channels"),
         (["inspect", "no/such/model.safetensors"], "not found"),
-        (["convert", "--integrator", "rk5"], "unknown integrator"),
-        (["convert", "--backward", "reversible"], "reversible"),
-    ],
-)
-def test_errors_exit_2_with_one_paragraph(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+        (["inspect", str(tmp / "folder")], "folder"),
+        (["inspect", "resnet18", *SMALL, "--leaf", "NoSuchBlock"], "--leaf NoSuchBlock"),
+        (["convert", "--backward", "reversible", "-o", out], "reversible"),
+        (["convert", "-o", str(tmp / "folder")], "is a folder"),
+        (["convert", "-o", str(tmp / "text.txt" / "x.safetensors")], "is a file, not a folder"),
+        (["convert", "-o", ""], "empty"),
+        (["convert", str(converted), "-o", out], "already a converted model"),
+        (["retarget", str(DEFAULT_MODEL_PATH), "-o", out, "--steps", "1"], "not a converted model"),
+        (["retarget", str(converted), "-o", out], "at least one of"),
+        (["retarget", str(tmp / "missing.safetensors"), "-o", out, "--steps", "1"], "does not exist"),
+        (["eval", str(converted)], "--data is required"),
+        (["eval", str(converted), "--data", str(tmp / "missing")], "does not exist"),
+        (["eval", str(converted), "--data", str(tmp / "no_val")], "no val/ subfolder"),
+        (["eval", "resnet18", *SMALL, "--data", "digits"], "1-channel"),
+        (["plot", str(tmp / "text.txt")], "text.txt"),
+        (["finetune", str(converted), "--out", str(tmp / "ft")], "--data is required"),
+        ([*tune, "--resume", "--out", str(tmp / "none")], "cannot resume"),
+        ([*tune, "--refine-at", "1", "--out", str(tmp / "r")], "refine_at"),
+        ([*tune, "--out", str(tmp / "text.txt")], "is a file"),
+        ([*tune, "--integrator", "rk4", "--backward", "reversible", "--out", str(tmp / "rv")], "reversible"),
+    ]  # fmt: skip
+
+
+def test_bad_input_exits_2_with_one_paragraph(
+    converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(argv) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("odeify: error: ") and captured.err.count("\n") == 1
-    assert message in captured.err
-    assert "Traceback" not in captured.err
+    failures = []
+    for argv, message in _bad_inputs(tmp_path, converted_file):
+        code = main(argv)
+        captured = capsys.readouterr()
+        one_paragraph = captured.err.startswith("odeify: error: ") and captured.err.count("\n") == 1
+        if code != 2 or not one_paragraph or message not in captured.err or captured.out:
+            failures.append((argv, code, captured.err[-500:]))
+    assert not failures, failures
 
 
 @pytest.mark.parametrize(
@@ -144,32 +400,67 @@ def test_errors_exit_2_with_one_paragraph(
         ["convert", "--steps", "x-1"],
         ["convert", "--steps", "0"],
         ["convert", "--knots", "two"],
+        ["convert", "--integrator", "rk5"],
+        ["finetune", "--data", "digits", "--lr", "nan"],
+        ["finetune", "--data", "digits", "--epochs", "0"],
+        ["finetune", "--data", "digits", "--refine-at", "two"],
+        ["finetune", "--data", "digits", "--distill", "2"],
+        ["sweep", "--data", "digits", "--integrators", "euler,nope"],
+        ["sweep", "--data", "digits", "--steps", "1,,x0"],
+        ["eval", "--data", "digits", "--batch-size", "-3"],
     ],
 )
-def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
-    assert "usage:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage:" in err and "error:" in err and "Traceback" not in err
 
 
-def test_help_and_list_do_not_import_torch() -> None:
-    """`odeify --help` and `odeify list` answer without importing torch or timm (seconds each)."""
-    code = (
-        "import sys, contextlib, io\n"
-        "from odeify.cli import main\n"
-        "for argv in (['--help'], ['list']):\n"
-        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
-        "        main(argv)\n"
-        "print(sorted(m for m in ('torch', 'timm') if m in sys.modules))\n"
+def test_diverging_finetune_stops_with_the_step(converted_file: Path, tmp_path: Path, capsys) -> None:
+    argv = ["finetune", str(converted_file), "--data", "digits", "--steps", "1", "--lr", "1e6",
+            "--distill", "0", "--epochs", "1", "--max-batches", "20", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"fine-tuning stopped at epoch 1, batch \d+/20 \(optimizer step \d+\)", err), err
+    assert err.count("\n") == 1 and not (tmp_path / "last.safetensors").exists()
+
+
+# -- each command in a subprocess, as a user runs it -------------------------------------------------
+def test_each_command_end_to_end_in_a_subprocess(tmp_path: Path) -> None:
+    def odeify_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "odeify", *argv], env=ENV, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, (argv, done.stderr[-3000:])
+        assert "Traceback" not in done.stderr
+        return done
+
+    ode, coarse, run = tmp_path / "ode.safetensors", tmp_path / "e1.safetensors", tmp_path / "run"
+    assert "): ok" in odeify_cli("convert", "-o", str(ode)).stderr
+    odeify_cli("retarget", str(ode), "-o", str(coarse), "--steps", "1")
+    assert json.loads(odeify_cli("inspect", str(coarse), "--json").stdout)["nfe"] == 2
+    odeify_cli("plot", str(coarse), "-o", str(tmp_path / "path.png"))
+    sweep = odeify_cli("sweep", str(ode), "--data", "digits", "--integrators", "heun", "--steps", "1",
+                       "--plot", str(tmp_path / "sweep.png"))  # fmt: skip
+    assert "| heun | 1 | native | 4 |" in sweep.stdout
+    tuned = odeify_cli("finetune", str(coarse), "--data", "digits", "--epochs", "1", "--max-batches", "2",
+                       "--out", str(run))  # fmt: skip
+    assert "epoch 1/1" in tuned.stdout and "backward checkpoint" in tuned.stdout
+    result = json.loads(
+        odeify_cli("eval", str(run / "best.safetensors"), "--data", "digits", "--json").stdout
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
+    assert result["nfe"] == 2 and 0.8 < result["accuracy"] <= 1
+    assert all((tmp_path / name).read_bytes().startswith(PNG) for name in ("path.png", "sweep.png"))
 
 
-def test_public_names_resolve_lazily() -> None:
-    import odeify
-    import odeify.conversion
-
-    assert odeify.convert is odeify.conversion.convert  # a function, not the module of the same stem
-    assert set(odeify.__all__) <= set(dir(odeify))
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        odeify.nope  # noqa: B018
+@pytest.mark.slow
+def test_demo_writes_its_report(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "odeify", "demo", "--out", str(tmp_path), "--epochs", "1"],
+        env=ENV, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (tmp_path / "report.md").read_text()
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)
+    assert len(images) == 5 and all((tmp_path / name).read_bytes().startswith(PNG) for name in images)
+    assert odeify.load(tmp_path / "finetune" / "best.safetensors") is not None

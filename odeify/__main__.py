@@ -1,0 +1,7 @@
+"""``python -m odeify`` (and ``torchrun -m odeify``): the odeify command."""
+
+import sys
+
+from odeify.cli import main
+
+sys.exit(main())

@@ -1,0 +1,358 @@
+"""The fine-tuning loop (odeify.finetune): checkpoints, exact resume, divergence, refinement, DDP.
+
+Runs on the shipped digits model, a few small batches per epoch. The oracles: a run resumed
+after a crash (in-process, and after SIGKILL in a subprocess) against an uninterrupted run with
+the same seed (bit-identical knots), accuracies recomputed by an independent argmax loop,
+refined knots against the basis' own resampling, and two torchrun processes against one process
+on their combined batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+import odeify
+from odeify.datasets import LabelledData, open_data
+from odeify.finetune import (
+    BEST_FILE,
+    DEFAULT_RECIPE,
+    LAST_FILE,
+    STATE_FILE,
+    TrainingDiverged,
+    finetune,
+    learning_rate_factor,
+    refine,
+)
+from odeify.settings import DEFAULT_MODEL_PATH
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUICK = replace(DEFAULT_RECIPE, epochs=2, batch_size=16)
+BATCHES = 3
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="module")
+def native() -> torch.nn.Module:
+    return odeify.convert(str(DEFAULT_MODEL_PATH))
+
+
+@pytest.fixture(scope="module")
+def digits(native: torch.nn.Module) -> LabelledData:
+    return open_data("digits", native)
+
+
+def coarse(native: torch.nn.Module) -> torch.nn.Module:
+    """Euler, one step per stage, exact memory-saving backward: 90.5% before fine-tuning."""
+    return odeify.retarget(native, steps=1, backward="checkpoint")
+
+
+def quiet(*_: object) -> None:
+    pass
+
+
+def accuracy(model: torch.nn.Module, dataset: TensorDataset) -> float:
+    """Independent of odeify.evaluate: one batch, argmax, compare."""
+    x, y = dataset.tensors
+    model.eval()
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).double().mean().item()
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(path))
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# -- recipe and schedule ---------------------------------------------------------------------------
+def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_zero() -> None:
+    total, warmup = 100, 0.1  # 10 warm-up steps
+    assert learning_rate_factor(0, total, warmup) == pytest.approx(1 / 11)
+    assert learning_rate_factor(9, total, warmup) == pytest.approx(10 / 11)
+    assert learning_rate_factor(10, total, warmup) == pytest.approx(1.0)
+    assert learning_rate_factor(55, total, warmup) == pytest.approx(0.5)  # halfway through the cosine
+    assert learning_rate_factor(99, total, warmup) == pytest.approx((1 + math.cos(math.pi * 89 / 90)) / 2)
+    assert learning_rate_factor(0, total, 0.0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"epochs": 0}, {"lr": 0.0}, {"lr": math.nan}, {"warmup": 1.0}, {"weight_decay": -1.0}, {"distill": 2.0}],
+)
+def test_recipe_refuses_bad_settings(change: dict) -> None:
+    with pytest.raises(odeify.ConfigError, match=next(iter(change))):
+        replace(DEFAULT_RECIPE, **change)
+
+
+def test_distills_from_the_source_network_by_default(native: torch.nn.Module, digits: LabelledData) -> None:
+    lines: list[str] = []
+    finetune(
+        coarse(native), digits, replace(QUICK, epochs=1), max_batches=1, log=lines.append, progress=False
+    )
+    source = odeify.load_model(DEFAULT_MODEL_PATH)
+    teacher = next(line for line in lines if line.startswith("distilling"))
+    assert f"val accuracy {accuracy(source, digits.val):.2%}" in teacher  # native depth = the source
+
+
+def test_distillation_needs_the_models_classes(native: torch.nn.Module, digits: LabelledData) -> None:
+    three = replace(digits, num_classes=3)
+    with pytest.raises(odeify.ConfigError, match="predicts 10 classes but digits has 3"):
+        finetune(coarse(native), three, QUICK, log=quiet, progress=False)
+
+
+def test_refine_at_must_leave_a_coarse_epoch(native: torch.nn.Module, digits: LabelledData) -> None:
+    with pytest.raises(odeify.ConfigError, match="refine_at"):
+        finetune(coarse(native), digits, QUICK, refine_at=[1], log=quiet, progress=False)
+
+
+# -- training, checkpoints, resume -----------------------------------------------------------------
+def test_finetune_trains_and_writes_loadable_checkpoints(
+    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+) -> None:
+    start = coarse(native)
+    before = {name: p.detach().clone() for name, p in start.named_parameters()}
+    result = finetune(start, digits, QUICK, out=tmp_path, max_batches=BATCHES, log=quiet, progress=False)
+    history = result.history
+    assert [r.epoch for r in history] == [0, 1, 2]
+    assert history[0].val_accuracy == pytest.approx(accuracy(coarse(native), digits.val))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [BEST_FILE, LAST_FILE, STATE_FILE, "history.json"]
+    )  # no temporary files left behind
+    last = odeify.load(tmp_path / LAST_FILE)
+    assert history[-1].val_accuracy == pytest.approx(accuracy(last, digits.val))
+    x = digits.val.tensors[0][:8]
+    with torch.no_grad():
+        assert torch.equal(last(x), result.model.eval()(x))
+    best = max(history, key=lambda r: r.val_accuracy)
+    assert accuracy(odeify.load(tmp_path / BEST_FILE), digits.val) == pytest.approx(best.val_accuracy)
+    changed = [
+        n for n, p in result.model.named_parameters() if ".knots." in n and not torch.equal(p, before[n])
+    ]
+    assert changed, "no knot tensor was trained"
+
+
+class CrashAfter(Dataset):
+    """The digits training split, raising once ``limit`` samples have been read: a crash mid-run."""
+
+    def __init__(self, base: TensorDataset, limit: int) -> None:
+        self.base, self.limit, self.reads = base, limit, 0
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        self.reads += 1
+        if self.reads > self.limit:
+            raise RuntimeError("simulated crash")
+        return self.base[index]
+
+
+def test_resume_after_a_crash_mid_epoch_matches_an_uninterrupted_run(
+    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+) -> None:
+    recipe = replace(QUICK, epochs=3)
+    whole = finetune(
+        coarse(native), digits, recipe, out=tmp_path / "a", max_batches=BATCHES, log=quiet, progress=False
+    )
+    crashing = replace(digits, train=CrashAfter(digits.train, limit=int(1.5 * BATCHES * recipe.batch_size)))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        finetune(
+            coarse(native),
+            crashing,
+            recipe,
+            out=tmp_path / "b",
+            max_batches=BATCHES,
+            log=quiet,
+            progress=False,
+        )
+    assert odeify.load(tmp_path / "b" / LAST_FILE) is not None  # epoch 1's files survived the crash
+    resumed = finetune(
+        coarse(native),
+        digits,
+        recipe,
+        out=tmp_path / "b",
+        resume=True,
+        max_batches=BATCHES,
+        log=quiet,
+        progress=False,
+    )
+    assert [r.epoch for r in resumed.history] == [0, 1, 2, 3]
+    assert [r.val_accuracy for r in resumed.history] == [r.val_accuracy for r in whole.history]
+    assert_same_tensors(tensors(tmp_path / "a" / LAST_FILE), tensors(tmp_path / "b" / LAST_FILE))
+
+
+def test_resume_refuses_other_settings(native: torch.nn.Module, digits: LabelledData, tmp_path: Path) -> None:
+    finetune(
+        coarse(native),
+        digits,
+        replace(QUICK, epochs=1),
+        out=tmp_path,
+        max_batches=1,
+        log=quiet,
+        progress=False,
+    )
+    with pytest.raises(odeify.ConfigError, match="lr"):
+        other = replace(QUICK, epochs=1, lr=0.5)
+        finetune(
+            coarse(native), digits, other, out=tmp_path, resume=True, max_batches=1, log=quiet, progress=False
+        )
+    with pytest.raises(odeify.ConfigError, match="does not exist"):
+        finetune(coarse(native), digits, QUICK, out=tmp_path / "none", resume=True, log=quiet, progress=False)
+
+
+# -- divergence ------------------------------------------------------------------------------------
+def test_nonfinite_loss_stops_before_saving(
+    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+) -> None:
+    model = coarse(native)
+    saved: dict[str, bytes] = {}
+
+    def poison_after_epoch_1(line: str) -> None:
+        if line.startswith("epoch 1/"):
+            saved.update({p.name: p.read_bytes() for p in tmp_path.iterdir()})
+            with torch.no_grad():
+                model.fc.weight.fill_(math.nan)
+
+    with pytest.raises(TrainingDiverged, match=r"epoch 2, batch 1/3 \(optimizer step 4\): the loss is nan"):
+        finetune(
+            model, digits, QUICK, out=tmp_path, max_batches=BATCHES, log=poison_after_epoch_1, progress=False
+        )
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == saved  # nothing overwritten
+    assert all(torch.isfinite(t).all() for t in tensors(tmp_path / LAST_FILE).values())
+
+
+def test_nonfinite_gradient_names_the_parameter_and_stage(
+    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+) -> None:
+    model = coarse(native)
+    knot = model.get_parameter(
+        next(n for n, _ in model.named_parameters() if "layer2" in n and ".knots." in n)
+    )
+    name = next(n for n, p in model.named_parameters() if p is knot)
+    knot.register_hook(lambda grad: torch.full_like(grad, math.inf))
+    with pytest.raises(
+        TrainingDiverged, match=rf"the gradient of {re.escape(name)} \(stage 'layer2'\) is inf"
+    ):
+        finetune(model, digits, QUICK, out=tmp_path, max_batches=BATCHES, log=quiet, progress=False)
+    assert not (tmp_path / LAST_FILE).exists()  # epoch 1 never completed; only the start's best file
+    assert torch.isfinite(tensors(tmp_path / BEST_FILE)[name]).all()
+
+
+# -- refinement ------------------------------------------------------------------------------------
+def test_refine_doubles_knots_and_steps_resampling_the_weight_path(native: torch.nn.Module) -> None:
+    model = coarse(native)
+    refined = refine(model)
+    for old, new in zip(odeify.converted_stages(model), odeify.converted_stages(refined), strict=True):
+        assert (new.num_knots, new.steps) == (2 * old.num_knots, 2 * old.steps)
+        for name, stack in old.knots.items():  # a constant basis: each knot's cell splits in two
+            assert torch.equal(new.knots[name], stack.repeat_interleave(2, dim=0)), name
+
+
+def test_refine_at_keeps_optimizer_state_outside_the_knots(
+    native: torch.nn.Module, digits: LabelledData
+) -> None:
+    lines: list[str] = []
+    model = coarse(native)
+    result = finetune(
+        model, digits, QUICK, refine_at=[2], max_batches=BATCHES, log=lines.append, progress=False
+    )
+    assert [r.knots for r in result.history] == [{"layer1": 4, "layer2": 3}] * 2 + [
+        {"layer1": 8, "layer2": 6}
+    ]
+    assert [r.steps["layer1"] for r in result.history] == [1, 1, 2]
+    outside = sum(".knots." not in name for name, _ in model.named_parameters())
+    refined = next(line for line in lines if "refined" in line)
+    assert f"the {outside} parameters outside the knot stacks keep their optimizer state" in refined
+
+
+# -- processes: SIGKILL and torchrun ---------------------------------------------------------------
+def _finetune_command(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "odeify", "finetune", "--data", "digits", "--steps", "1", "--epochs", "3",
+        "--max-batches", "8", "--batch-size", "32", "--deterministic", "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_sigkill_mid_epoch_then_resume_reaches_the_same_knots(tmp_path: Path) -> None:
+    whole = subprocess.run(
+        _finetune_command(tmp_path / "a"), env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    killed = subprocess.Popen(_finetune_command(tmp_path / "b"), env=ENV, stderr=subprocess.PIPE)
+    seen = b""
+    os.set_blocking(killed.stderr.fileno(), False)
+    deadline = time.monotonic() + 300
+    while not re.search(rb"epoch 2/3:\s+\d+%\|[^|]*\| [1-6]/8", seen) and time.monotonic() < deadline:
+        seen += killed.stderr.read() or b""
+        assert killed.poll() is None, seen.decode()[-3000:]
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL
+    assert _completed_epoch(tmp_path / "b") == 1  # killed during epoch 2: epoch 1's state is the last
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "odeify", "finetune", "--resume", "--out", str(tmp_path / "b")],
+        env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed" in resumed.stdout and "after epoch 1" in resumed.stdout
+    assert_same_tensors(tensors(tmp_path / "a" / LAST_FILE), tensors(tmp_path / "b" / LAST_FILE))
+
+
+def test_torchrun_two_processes_train_like_one_on_the_combined_batch(tmp_path: Path) -> None:
+    common = ["--data", "digits", "--steps", "1", "--epochs", "1", "--max-batches", "3"]
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "odeify", "finetune", *common, "--batch-size", "16", "--out", str(tmp_path / "ddp"),
+    ]  # fmt: skip
+    done = subprocess.run(torchrun, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 process(es) on cpu" in done.stdout and "epoch 1/1" in done.stdout
+    single = [
+        sys.executable,
+        "-m",
+        "odeify",
+        "finetune",
+        *common,
+        "--batch-size",
+        "32",
+        "--out",
+        str(tmp_path / "one"),
+    ]
+    done = subprocess.run(single, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    ddp, one = tensors(tmp_path / "ddp" / LAST_FILE), tensors(tmp_path / "one" / LAST_FILE)
+    start = odeify.convert(str(DEFAULT_MODEL_PATH)).state_dict()
+    assert ddp.keys() == one.keys()
+    assert [n for n in one if "knots" in n and not torch.equal(one[n], start[n])], "the knots did not train"
+    for name in one:
+        torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert odeify.load(tmp_path / "ddp" / LAST_FILE) is not None
+
+
+def _completed_epoch(folder: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / STATE_FILE), framework="pt") as handle:
+        return json.loads(handle.metadata()["odeify_train_state"])["epoch"]
