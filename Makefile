@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) -m odeify demo --out out/demo
 
 test: $(STAMP)
 	$(PY) -m ruff check .
