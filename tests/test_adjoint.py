@@ -13,9 +13,9 @@ from timm.layers import DropPath
 from torch import nn
 
 import odeify
-from odeify import adjoint, rerun
+from odeify import adjoint, rerun, reversible
 from odeify._testing import make_test_model
-from odeify.digits import DEFAULT_MODEL_PATH
+from odeify.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.errors import ConfigError
 from odeify.loading import load_model
 
@@ -416,6 +416,74 @@ def test_unknown_backward_mode(resnet18) -> None:
 def test_checkpoint_every_is_validated(every) -> None:
     with pytest.raises(ConfigError, match="checkpoint_every"):
         digits_stage(0, torch.float32).configure(checkpoint_every=every)
+
+
+# -- no silent wrong answers ------------------------------------------------------------------------
+def input_grads(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """d(sum of the outputs)/dx per sample; a NaN sample's outputs are left out of the sum."""
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    out[~out.isnan().any(dim=1)].sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize(("integrator", "mode"), [("euler", "reverse"), ("reversible_heun", "reversible")])
+def test_a_nan_sample_leaves_the_clean_samples_gradients_exact(integrator, mode) -> None:
+    """One NaN sample made reverse's reconstruction error NaN, which passed the tolerance check, and
+    made reversible's rebuild check pass unwarned: the clean samples' gradients were 49% wrong.
+
+    Now a non-finite error or state is a failure: the pass falls back to an exact one, and says so.
+    """
+    clean = load_digits("test")[0][:4]
+    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH), integrator=integrator, steps=2)
+    want = input_grads(gm, clean)  # backprop
+    with_nan = torch.cat([clean, torch.full_like(clean[:1], math.nan)])
+    memory_free = with_backward(gm, mode)
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        got = input_grads(memory_free, with_nan)
+    torch.testing.assert_close(got[:4], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    stats = [s.adjoint_stats for s in odeify.converted_stages(memory_free)]
+    assert all(s.fallbacks == 1 for s in stats)
+    if mode == "reverse":
+        assert all(s.worst_error == math.inf for s in stats)
+
+
+def test_reversible_lattice_holds_states_exactly_up_to_its_bound() -> None:
+    """Counts below 2^52 are kept exactly (in the narrowest integer type); at 2^52 or non-finite, refused."""
+    x = torch.ones(2, 3)
+    lattice = reversible._Lattice(x, steps=4)
+    for y_count, d_count, d_type in [
+        (2.0**52 - 2**32, 2**31 - 1, torch.int32),
+        (1e6, 2.0**40, torch.float64),
+    ]:
+        y = torch.full((2, 3), y_count, dtype=torch.float64)
+        z = y + d_count
+        out = lattice.value(y)
+        (residual, d, _), why = lattice.pack(y, z, out)
+        assert not why and d.dtype == d_type
+        assert residual is None or residual.dtype in (torch.int8, torch.int16, torch.int32)
+        rebuilt = lattice.unpack(out, residual, d)
+        assert torch.equal(rebuilt[0], y) and torch.equal(rebuilt[1], z)
+    for bad, reason in [(2.0**52, "grew"), (math.inf, "not finite"), (math.nan, "not finite")]:
+        y = torch.full((2, 3), bad, dtype=torch.float64)
+        packed, why = lattice.pack(y, y.clone(), lattice.value(y))
+        assert packed is None and reason in why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reversible_falls_back_exactly_when_its_state_outgrows_the_lattice(dtype) -> None:
+    """A field grown x1e8 rebuilt with a relative error of 0.997 and no warning; now the pass keeps
+    its input, recomputes the states from it, warns, and its gradients are backprop's."""
+    stage = digits_stage(0, dtype, knots=4, steps=4, integrator="reversible_heun")
+    with torch.no_grad():
+        stage.knots["conv2_weight"].mul_(1e8)
+    x = stage_input(stage, 2, dtype)
+    cot = torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    want = stage_grads(stage, "backprop", x, cot)
+    with pytest.warns(RuntimeWarning, match="cannot keep its final state exactly: its state grew"):
+        got = stage_grads(stage, "reversible", x, cot)
+    assert_close(got, want, TOL[dtype][1])
+    assert stage.adjoint_stats.fallbacks == 1 and stage.adjoint_stats.backward_passes == 1
 
 
 def test_reversible_lattice_is_per_sample() -> None:
