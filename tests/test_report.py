@@ -18,6 +18,7 @@ from odeify.report import (
     format_discrete_table,
     format_plan_table,
     format_report_table,
+    markdown_table,
 )
 
 SIZE = (3, 64, 64)
@@ -54,17 +55,27 @@ def test_describe_native_euler(converted: nn.Module, resnet18: nn.Module) -> Non
     assert report.nfe == sum(RESNET18_RUNS.values())
 
 
+def _folded_block_parameters(block: nn.Module) -> int:
+    """Parameters of one BasicBlock after BatchNorm folding, counted from the timm module itself:
+    each conv keeps its kernel and gains a bias of its output width (its BN's affine folded in)."""
+    return sum(conv.weight.numel() + conv.out_channels for conv in (block.conv1, block.conv2))
+
+
 def test_describe_parameter_counts(converted: nn.Module, resnet18: nn.Module) -> None:
     report = describe(converted)
-    assert report.parameters_before == sum(p.numel() for p in resnet18.parameters())
-    assert report.parameters_after == sum(p.numel() for p in converted.parameters())
-    assert report.parameters_after < report.parameters_before  # BatchNorm folded into the convs
-    knots = {
-        stage.stage_name: sum(p.numel() for p in stage.knots.parameters())
-        for stage in odeify.converted_stages(converted)
+    norms = [m for m in resnet18.modules() if isinstance(m, nn.BatchNorm2d)]
+    before = sum(p.numel() for p in resnet18.parameters())
+    assert report.parameters_before == before
+    # every BN follows a bias-free conv: folding drops its weight and bias (2C), the conv gains a bias (C)
+    assert report.parameters_after == before - sum(norm.num_features for norm in norms)
+    runs = {"layer1": resnet18.layer1, "layer2": resnet18.layer2[1:], "layer3": resnet18.layer3[1:],
+            "layer4": resnet18.layer4[1:]}  # fmt: skip
+    expected = {
+        name: sum(_folded_block_parameters(block) for block in blocks) for name, blocks in runs.items()
     }
-    assert {s.name: s.parameters for s in report.stages} == knots
-    assert report.knot_parameters == sum(knots.values())
+    assert expected["layer1"] == 2 * (2 * 64 * 64 * 9 + 2 * 64)  # by hand: two blocks of two 3x3 convs
+    assert {s.name: s.parameters for s in report.stages} == expected
+    assert report.knot_parameters == sum(expected.values())
 
 
 def test_describe_rk4_counts_four_evaluations_per_step(converted: nn.Module) -> None:
@@ -85,6 +96,11 @@ def test_describe_compressed_knots(converted: nn.Module) -> None:
 def test_describe_rejects_unconverted_module(resnet18: nn.Module) -> None:
     with pytest.raises(ConfigError, match="odeify.convert"):
         describe(resnet18)
+
+
+def test_markdown_table() -> None:
+    lines = markdown_table(("name", "kind", "n"), [("a", "b", "1"), ("c", "d", "22")], text_columns=2)
+    assert lines == ["| name | kind | n |", "|---|---|---:|", "| a | b | 1 |", "| c | d | 22 |"]
 
 
 def test_report_dict_is_json(converted: nn.Module) -> None:
