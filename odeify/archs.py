@@ -107,28 +107,33 @@ def default_cfg(name: str) -> dict[str, Any]:
     return dict(cfg)
 
 
-def arch_spec(model: nn.Module) -> ArchSpec | None:
-    """The ``(name, kwargs)`` that rebuild ``model``'s architecture; None for other modules.
+def arch_spec(model: nn.Module) -> ArchSpec:
+    """The ``(name, kwargs)`` that rebuild ``model``'s architecture; a ModelLoadError says why there is none.
 
     The name comes from timm's ``pretrained_cfg["architecture"]``, the kwargs from
     :func:`timm.models.get_model_args` (what the model was built with, updated for later changes
-    such as ``reset_classifier``) plus its drop rates, which shape training. None too when the kwargs
-    are not ones a file may carry (:func:`check_file_kwargs`): then only the caller can rebuild it.
+    such as ``reset_classifier``) plus its drop rates, which shape training. The kwargs must be ones a
+    file may carry (:func:`check_file_kwargs`), and building them (on the meta device) must give the
+    same class with the same tensors: a timm model changed after it was built cannot be rebuilt by name.
     """
+    what = type(model).__name__
     cfg = getattr(model, "pretrained_cfg", None)
     name = cfg.get("architecture") if isinstance(cfg, Mapping) else None
     if not isinstance(name, str) or not (name in ODEIFY_ARCHS or timm.is_model(name)):
-        return None
+        raise ModelLoadError(
+            f"{what} is not a timm or odeify architecture (no known pretrained_cfg['architecture'])"
+        )
     try:
         kwargs = get_model_args(model)
-    except (ValueError, TypeError):
-        return None
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{what}: timm cannot list the kwargs it was built with ({exc})") from exc
     drops = {k: v for k, v in getattr(model, "_model_args", {}).items() if k.endswith("drop_rate")}
-    kwargs = {**kwargs, **drops}
-    try:
-        return name, check_file_kwargs(kwargs, f"model {name!r}")
-    except ModelLoadError:
-        return None
+    kwargs = check_file_kwargs({**kwargs, **drops}, f"{name!r}")
+    built = build_arch(name, kwargs, device="meta")
+    tensors = _shapes(built.state_dict(), skip="\0") == _shapes(model.state_dict(), skip="\0")
+    if type(built) is not type(model) or not tensors:
+        raise ModelLoadError(f"{what} differs from the {name!r} that {kwargs} builds (changed after it)")
+    return name, kwargs
 
 
 # ---------------------------------------------------------------------------------------------------

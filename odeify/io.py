@@ -45,11 +45,12 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
     target = _save_target(path)
     recipe = recipe_of(model)
     if recipe.arch is None:
-        source = model.meta.get(META, {}).get("name", "the source module")
+        record = model.meta.get(META, {})
+        source, why = record.get("name", "the source module"), record.get("arch_unknown_because")
         warnings.warn(
-            f"{target}: this model was converted from a custom nn.Module ({source}) that odeify cannot "
-            f"rebuild by name; loading it will need an instance of it: odeify.load({str(target)!r}, "
-            f"model={source}(...)) (its weights are ignored).",
+            f"{target}: odeify cannot rebuild this model's source by name ({why}); "
+            f"loading it will need an instance of it: odeify.load({str(target)!r}, model={source}(...)) "
+            f"(its weights are ignored).",
             UserWarning,
             stacklevel=2,
         )

@@ -103,9 +103,14 @@ def record_conversion(
     optimizer grouping read each knot stack like the blocks it came from.
     """
     dtype = next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
-    spec = arch_spec(source)
+    try:
+        name, kwargs = arch_spec(source)
+        arch, why_not = {"name": name, "kwargs": kwargs}, None
+    except ModelLoadError as exc:
+        arch, why_not = None, str(exc)
     gm.meta[META] = {
-        "arch": {"name": spec[0], "kwargs": spec[1]} if spec else None,
+        "arch": arch,
+        "arch_unknown_because": why_not,
         "dtype": str(dtype).removeprefix("torch."),
         "name": plan.model,
         "input_shape": list(plan.input_shape),
