@@ -242,12 +242,12 @@ def check_file_kwargs(kwargs: object, where: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # Which common architecture does a bare state dict fit?
 
-# (a key every state dict of the family has, its common members, most used first)
+# (a key every state dict of the family has, its common members: odeify's own, then the most used)
 GUESS_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         r"layer1\.0\.conv1\.weight",
-        ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet50d", "resnet18d", "resnet34d",
-         "resnet26", "resnet10t", "resnext50_32x4d", "wide_resnet50_2", "seresnet50", DIGITS_ARCH),
+        (DIGITS_ARCH, "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet50d", "resnet18d",
+         "resnet34d", "resnet26", "resnet10t", "resnext50_32x4d", "wide_resnet50_2", "seresnet50"),
     ),
     (r"stages\.0\.blocks\.0\.conv_dw\.weight", ("convnext_tiny", "convnext_small", "convnext_atto")),
     (r"stages\.0\.blocks\.0\.conv1\.weight", ("resnetv2_50",)),

@@ -134,17 +134,6 @@ def test_pth_requires_arch_and_accepts_wrappers(tmp_path: Path) -> None:
     assert isinstance(load_model(bare, arch=DIGITS_ARCH), nn.Module)
 
 
-class _NotWeights:
-    """A pickled Python object that weights_only loading must refuse."""
-
-
-def test_pth_with_python_objects_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "obj.pth"
-    torch.save({"state_dict": _digits_test_model().state_dict(), "cfg": _NotWeights()}, path)
-    with pytest.raises(ModelLoadError, match="unpickle"):
-        load_model(path, arch=DIGITS_ARCH)
-
-
 def test_mismatched_state_dict_lists_keys_and_fix(tmp_path: Path) -> None:
     path = tmp_path / "d.pth"
     torch.save(_digits_test_model().state_dict(), path)
