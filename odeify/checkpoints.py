@@ -11,6 +11,11 @@ Read here, as timm users hold weights:
 Nothing is ever unpickled into arbitrary objects: torch files go through ``torch.load(weights_only=True)``
 with exactly one extra allowed class, ``argparse.Namespace`` (timm's train.py stores its ``args``), and
 build kwargs read from a file pass :func:`odeify.archs.check_file_kwargs`.
+
+timm's ``load_state_dict``/``load_checkpoint`` read the same files the same safe way, but return only
+the weights (odeify also needs the ``arch`` and ``args`` entries), fall back to the non-EMA weights
+without a word when EMA ones are asked for and absent, and refuse with RuntimeErrors; so the reading
+is here, and timm's ``clean_state_dict`` strips the DDP / torch.compile prefixes.
 """
 
 from __future__ import annotations
