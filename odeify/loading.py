@@ -83,7 +83,7 @@ def load_model(
             f"load_model takes a timm model name, a checkpoint file or folder, or an nn.Module, "
             f"not {type(source).__name__}"
         )
-    name = os.fspath(source)
+    name = os.fspath(source).removeprefix("local-dir:")  # timm's spelling of a local model folder
     if isinstance(source, str) and is_arch_name(name) and not _looks_like_path(name):
         if arch is not None and arch != name:
             raise ModelLoadError(f"arch={arch!r} conflicts with the model name {name!r}; pass one of them")
@@ -104,7 +104,9 @@ def load_model(
 
 
 def _looks_like_path(source: str) -> bool:
-    """True when a string should be read as a file path rather than a model name."""
+    """True when a string should be read as a file path rather than a model name (or hub name)."""
+    if source.startswith(("hf-hub:", "hf_hub:")):
+        return False
     return (
         source.lower().endswith(CHECKPOINT_SUFFIXES)
         or "/" in source

@@ -226,3 +226,13 @@ def test_analyze_and_convert_take_the_same_arguments(tmp_path: Path) -> None:
     x = _x()
     with torch.no_grad():
         assert (converted(x) - model(x)).abs().max() <= 1e-5 * model(x).abs().max()
+
+
+def test_hub_and_local_dir_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = hf_folder(make_test_model("resnet18", num_classes=3), tmp_path / "r18")
+    assert load_model(f"local-dir:{folder}").num_classes == 3  # timm's spelling of a folder
+    with pytest.raises(ModelLoadError, match="on the hub"):
+        load_model("hf-hub:timm/resnet18.a1_in1k")  # a name, not a missing file
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set"):
+        load_model("hf-hub:timm/resnet18.a1_in1k", pretrained=True)
