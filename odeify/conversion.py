@@ -21,8 +21,9 @@ from odeify.bases import fit_matrix, get_basis, validate_knots
 from odeify.budget import check_fit_work, check_knot_bytes
 from odeify.errors import ConfigError
 from odeify.passes.fold_bn import fold_batchnorm
-from odeify.passes.lift import lift_runs
+from odeify.passes.lift import RunParts, lift_runs
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
+from odeify.passes.segments import checkpoint_segments, has_segments
 from odeify.plan import Run
 from odeify.recipe import record_conversion
 from odeify.settings import validate_backward, validate_steps
@@ -90,23 +91,23 @@ def convert(
             per_knot = run.blocks[0].parameters * dtype_size
             _check_refit_budget(run.name, per_knot, count, run.length, basis)
 
-    def make_stage(run: Run, parts: dict) -> ODEStage:
+    def make_stage(run: Run, parts: RunParts) -> ODEStage:
         depth = run.length
         count = depth if knots_of[run.name] == "native" else validate_knots(knots_of[run.name], depth, basis)
         tensors = {
-            slot.name: _refit(parts["tensors"][slot.name], basis, count, depth)
+            slot.name: _refit(parts.tensors[slot.name], basis, count, depth)
             if slot.kind != "shared"
-            else parts["tensors"][slot.name]
-            for slot in parts["slots"]
+            else parts.tensors[slot.name]
+            for slot in parts.slots
         }
         return ODEStage(
             run.name,
-            parts["template"],
-            parts["slots"],
+            parts.template,
+            parts.slots,
             tensors,
             run.form,
             depth,
-            parts["variants"],
+            parts.variants,
             basis=basis,
             integrator=integrator,
             steps=_resolve_steps(steps_of[run.name], depth, run.name),
@@ -116,7 +117,7 @@ def convert(
     with torch.no_grad():
         gm, skipped = lift_runs(gm, plan.runs, make_stage)
     gm = record_conversion(gm, module, plan, skipped)  # what rebuilds it, and its timm interface
-    return _guard_input_dtype(lower_stages(gm)).train(training)
+    return _guard_input_dtype(_lower(gm, _whole_model(backward, False))).train(training)
 
 
 def retarget(
@@ -138,6 +139,7 @@ def retarget(
         resolve_integrator(integrator)
     if basis is not None:
         get_basis(basis)
+    was_whole = has_segments(converted)
     gm = raise_stages(copy.deepcopy(converted))
     stages = {stage.stage_name: stage for _, stage in stage_nodes(gm)}
     names = list(stages)
@@ -158,7 +160,7 @@ def retarget(
             steps=_resolve_steps(steps_of[name], stage.depth, name) if name in steps_of else None,
             backward=backward_of.get(name),
         )
-    return lower_stages(gm)
+    return _lower(gm, _whole_model(backward, was_whole))
 
 
 def set_backward(converted: fx.GraphModule, backward: str | Mapping[str, str]) -> fx.GraphModule:
@@ -173,11 +175,12 @@ def set_backward(converted: fx.GraphModule, backward: str | Mapping[str, str]) -
     for stage in stages:
         if stage.stage_name in modes:
             validate_backward(modes[stage.stage_name], stage.integrator)
+    whole = _whole_model(backward, has_segments(converted))
     raise_stages(converted)
     for stage in stages:
         if stage.stage_name in modes:
             stage.configure(backward=modes[stage.stage_name])
-    return lower_stages(converted)
+    return _lower(converted, whole)
 
 
 def converted_stages(converted: nn.Module) -> list[ODEStage]:
@@ -185,6 +188,24 @@ def converted_stages(converted: nn.Module) -> list[ODEStage]:
     if not isinstance(converted, nn.Module):
         raise ConfigError(f"expected a converted model (an nn.Module), got {type(converted).__name__}.")
     return [m for m in converted.modules() if isinstance(m, ODEStage)]
+
+
+def _whole_model(backward: object, current: bool) -> bool:
+    """Whether the parts between the stages are recomputed in backward too (the whole-model plan).
+
+    One memory-free mode for the whole model (``backward="reversible"``) applies to everything: the
+    stem, the blocks that change shape and the head are checkpointed segments. A {stage: mode} dict
+    sets stages only, and ``"backprop"`` turns the plan off; no setting keeps the current plan.
+    """
+    if backward is None:
+        return current
+    return isinstance(backward, str) and backward != "backprop"
+
+
+def _lower(gm: fx.GraphModule, whole_model: bool) -> fx.GraphModule:
+    """Lower the stages, then checkpoint the segments between them for the whole-model plan."""
+    gm = lower_stages(gm)
+    return checkpoint_segments(gm) if whole_model else gm
 
 
 def _check_converted(model: object, what: str) -> None:

@@ -27,6 +27,7 @@ from odeify.conversion import _change_knots, convert
 from odeify.errors import ModelLoadError, OdeifyError
 from odeify.fileio import atomic_write_bytes
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
+from odeify.passes.segments import checkpoint_segments
 from odeify.recipe import DTYPES, META, Recipe, integrator_of, parse_recipe, recipe_of
 from odeify.timm_interface import ConvertedModel
 
@@ -225,7 +226,8 @@ def _convert_as_recorded(
             backward=entry.backward,
             checkpoint_every=entry.checkpoint_every,
         )
-    return lower_stages(gm)
+    gm = lower_stages(gm)
+    return checkpoint_segments(gm) if recipe.whole_model else gm
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

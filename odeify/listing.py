@@ -3,7 +3,8 @@
 A ``backprop`` stage is inlined into the model's own graph, so ``model.code`` shows its steps. A
 stage with a memory-free backward mode stays one call (``self.layer1_ode(x)``) that runs the same
 integrator step by step, under ``no_grad`` in forward and again in backward; its unrolled code is
-appended here so that every manifestation can be read, whatever its backward mode.
+appended here so that every manifestation can be read, whatever its backward mode. So is the code
+of each checkpointed segment (the parts between the stages, in the whole-model memory plan).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.fx as fx
 
 from odeify.conversion import _check_converted, converted_stages
 from odeify.emit import unrolled_graph
+from odeify.passes.segments import Segment
 
 __all__ = ["model_code"]
 
@@ -30,6 +32,10 @@ def model_code(model: fx.GraphModule) -> str:
             "(see docs/backward-modes.md)."
         )
         parts.append(f"{header}\n{unrolled_graph(stage).code.strip()}\n")
+    for name, module in model.named_children():
+        if isinstance(module, Segment):
+            header = f"# segment self.{name}: recomputed in backward from its inputs (checkpointing)"
+            parts.append(f"{header}\n{module.runnable.code.strip()}\n")
     return "\n\n".join(parts)
 
 

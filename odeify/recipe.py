@@ -24,6 +24,7 @@ from torch import nn
 from odeify.archs import arch_spec, check_arch_name, check_file_kwargs
 from odeify.bases import BASES, MAX_KNOTS
 from odeify.errors import ModelLoadError
+from odeify.passes.segments import has_segments
 from odeify.plan import Plan
 from odeify.settings import BACKWARD_MODES
 from odeify.stage import ODEStage
@@ -83,6 +84,7 @@ class Recipe:
     stages: tuple[StageRecipe, ...]
     pretrained_cfg: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    whole_model: bool = False  # the parts between the stages are checkpointed segments too
 
     def to_json(self) -> str:
         body = {"format": FORMAT, "version": FORMAT_VERSION, **asdict(self)}
@@ -147,6 +149,7 @@ def recipe_of(model: nn.Module) -> Recipe:
         stages=tuple(_stage_recipe(stage, attrs.get(id(stage), "")) for stage in stages),
         pretrained_cfg=_data_cfg(getattr(model, "pretrained_cfg", {}) or {}),
         versions={"odeify": _odeify_version(), "torch": torch.__version__, "timm": timm.__version__},
+        whole_model=has_segments(model),
     )
 
 
@@ -212,6 +215,7 @@ def parse_recipe(text: str, where: str) -> Recipe:
         )
     _expect(version == FORMAT_VERSION, where, f"unknown format version {version}")
     known = {"format", "version", "arch", "input_shape", "dtype", "stages", "pretrained_cfg", "versions"}
+    known.add("whole_model")
     extra = sorted(set(body) - known)
     _expect(not extra, where, f"unknown recipe keys {extra[:5]}")
     return Recipe(
@@ -221,7 +225,13 @@ def parse_recipe(text: str, where: str) -> Recipe:
         stages=_stages(body.get("stages"), where),
         pretrained_cfg=_pretrained_cfg(body.get("pretrained_cfg", {}), where),
         versions=_versions(body.get("versions", {}), where),
+        whole_model=_flag(body.get("whole_model", False), where, "whole_model"),
     )
+
+
+def _flag(value: object, where: str, what: str) -> bool:
+    _expect(isinstance(value, bool), where, f"{what} must be true or false, not {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def _expect(ok: bool, where: str, message: str) -> None:

@@ -155,3 +155,30 @@ def test_bad_arguments_raise_a_clear_error(converted, source, case: str) -> None
     with pytest.raises(OdeifyError) as caught:
         BAD_CALLS[case](converted, source)
     assert len(str(caught.value)) > 40  # a sentence that names the problem and the fix
+
+
+def test_one_backward_mode_covers_the_whole_model(source, tmp_path) -> None:
+    """backward='checkpoint' checkpoints the parts between the stages too; a dict sets stages only.
+
+    The plan survives retarget, save and load, and the gradients of every parameter equal backprop's.
+    """
+    from odeify.passes.segments import has_segments
+
+    model = odeify.convert(copy.deepcopy(source).double(), backward="checkpoint")
+    assert has_segments(model)
+    assert has_segments(odeify.retarget(model, steps="x2"))
+    odeify.save(model, tmp_path / "m.safetensors")
+    loaded = odeify.load(tmp_path / "m.safetensors")
+    assert has_segments(loaded)
+    reference = odeify.convert(copy.deepcopy(source).double())
+    x, y = batch(1)
+    grads = {}
+    for label, module in (("whole", loaded), ("backprop", reference)):
+        module.zero_grad()
+        F.cross_entropy(module(x.double()), y).backward()
+        grads[label] = {n: p.grad for n, p in module.named_parameters()}
+    assert grads["whole"].keys() == grads["backprop"].keys()
+    for name, grad in grads["backprop"].items():
+        torch.testing.assert_close(grads["whole"][name], grad, rtol=1e-10, atol=1e-12, msg=name)
+    stages_only = odeify.set_backward(loaded, {"layer1": "checkpoint"})
+    assert not has_segments(stages_only)
