@@ -28,6 +28,7 @@ from timm.models._manipulate import group_with_matcher
 from torch import nn
 
 from odeify.errors import OdeifyError
+from odeify.passes.segments import has_segments, inline_segments
 from odeify.tracing import trace
 
 __all__ = ["HEAD_MARK", "META_TIMM", "ConvertedModel", "adopt", "default_input_size"]
@@ -350,8 +351,17 @@ def _head_input(head_nodes: Iterable[fx.Node]) -> fx.Node:
     return found.pop()
 
 
-def _head_views(gm: ConvertedModel) -> dict[str, fx.GraphModule]:
-    """Sub-GraphModules of ``gm``: features (input -> head input), head, and head up to pre-logits."""
+def _head_views(model: ConvertedModel) -> dict[str, fx.GraphModule]:
+    """Sub-GraphModules of ``model``: features (input -> head input), head, and head up to pre-logits.
+
+    A model whose parts between stages are checkpointed segments (a whole-model backward mode) is
+    cut in its inlined graph: the views compute the same values, without the segments' recompute.
+    """
+    gm: fx.GraphModule = model
+    if has_segments(model):
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(model.graph, {}))
+        gm = inline_segments(fx.GraphModule(model, graph))  # shares the model's modules
     head = [n for n in gm.graph.nodes if n.meta.get(HEAD_MARK)]
     if not head:
         raise OdeifyError(
@@ -361,9 +371,9 @@ def _head_views(gm: ConvertedModel) -> dict[str, fx.GraphModule]:
     features = _head_input(head)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     last = output.args[0]
-    calls = [n for n in head if n.op == "call_module" and n.target == gm._timm.get("classifier")]
+    calls = [n for n in head if n.op == "call_module" and n.target == model._timm.get("classifier")]
     views = {"features": _view(gm, None, features), "head": _view(gm, features, last)}
-    if calls and gm._timm.get("classifier_is_call"):
+    if calls and model._timm.get("classifier_is_call"):
         views["pre_logits"] = _view(gm, features, calls[-1].args[0])
     else:
         views["pre_logits"] = _unsupported(
