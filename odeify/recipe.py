@@ -214,8 +214,17 @@ def parse_recipe(text: str, where: str) -> Recipe:
             f"{_odeify_version()} reads up to {FORMAT_VERSION}). Upgrade odeify: pip install -U odeify"
         )
     _expect(version == FORMAT_VERSION, where, f"unknown format version {version}")
-    known = {"format", "version", "arch", "input_shape", "dtype", "stages", "pretrained_cfg", "versions"}
-    known.add("whole_model")
+    known = {
+        "format",
+        "version",
+        "arch",
+        "input_shape",
+        "dtype",
+        "stages",
+        "pretrained_cfg",
+        "versions",
+        "whole_model",
+    }
     extra = sorted(set(body) - known)
     _expect(not extra, where, f"unknown recipe keys {extra[:5]}")
     return Recipe(

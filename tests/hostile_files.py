@@ -127,6 +127,7 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     put("settings", "integrator_unknown", stage("integrator", "__import__('os')"))
     put("settings", "integrator_reversible_with_reverse", lambda b: b["stages"][0].update(
         integrator="reversible_heun", backward="reverse"))  # fmt: skip
+    put("settings", "whole_model_string", top("whole_model", "yes"))
     put("settings", "dtype_float128", top("dtype", "float128"))
     put("settings", "dtype_int32", top("dtype", "int32"))
     put("settings", "stage_renamed", stage("name", "layer9"))
