@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import timm
@@ -214,17 +214,7 @@ def parse_recipe(text: str, where: str) -> Recipe:
             f"{_odeify_version()} reads up to {FORMAT_VERSION}). Upgrade odeify: pip install -U odeify"
         )
     _expect(version == FORMAT_VERSION, where, f"unknown format version {version}")
-    known = {
-        "format",
-        "version",
-        "arch",
-        "input_shape",
-        "dtype",
-        "stages",
-        "pretrained_cfg",
-        "versions",
-        "whole_model",
-    }
+    known = {"format", "version", *(f.name for f in fields(Recipe))}
     extra = sorted(set(body) - known)
     _expect(not extra, where, f"unknown recipe keys {extra[:5]}")
     return Recipe(
