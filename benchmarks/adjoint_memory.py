@@ -23,6 +23,7 @@ Writes benchmarks/results/adjoint_memory.md and .png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 from baselines import torchdiffeq_euler_adjoint
 from machine import describe_machine
+from memory import SavedBytes, reset_peak_rss, rss
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -61,8 +63,8 @@ MODES = {  # name: (integrator, odeify backward mode or external method, referen
 NOTES = """Reading the numbers:
 
 - 'saved' is the activation memory a mode keeps for backward: the input and output (reverse) or
-  the final (y, z) on reversible Heun's float64 lattice (reversible: 4 fp32 states' bytes) at any
-  N; every step's state (checkpoint, torch.utils.checkpoint); every intermediate (backprop).
+  the output, its lattice residual (int8) and z - y (int32) (reversible: 2.25 fp32 states' bytes)
+  at any N; every step's state (checkpoint, torch.utils.checkpoint); every intermediate (backprop).
 - backprop runs the stage's unrolled graph, the one a converted model runs; on this continuous
   (linear) weight path reversible Heun shares one field evaluation between consecutive steps.
 - The peaks also hold the knots and their gradients, which grow with the knot count (knots =
@@ -78,8 +80,6 @@ NOTES = """Reading the numbers:
   stage's fp32 gradient is only accurate to about 1e-3 whichever way it is computed: see 'err vs
   fp64', where fp32 backprop errs as much. Against fp64 references, and on the well-conditioned
   stages of tests/test_adjoint.py, reversible agrees with backprop to round-off.
-- GPU runs of this script (before the lattice): adjoint_memory_cuda.md (fp32, TF32 convolutions)
-  and adjoint_memory_cuda_fp64.md.
 - Step times on a shared machine vary between runs; the load average is recorded below."""
 FULL = {"batch": 8, "size": 14}
 QUICK = {"batch": 2, "size": 14}
@@ -153,19 +153,12 @@ def child(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     build_graphs(stage)
-    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved.setdefault(ptr, t.numel() * t.element_size())
-        return t
+    saved = SavedBytes(stage.parameters())
 
     def train_step(measure: bool) -> tuple[float, float]:
         stage.zero_grad(set_to_none=True)
         wall, cpu = time.perf_counter(), time.process_time()
-        with torch.autograd.graph.saved_tensors_hooks(pack if measure else (lambda t: t), lambda t: t):
+        with saved.counting() if measure else contextlib.nullcontext():
             y = run_forward(stage, args.mode, x)
         (y * cotangent).sum().backward()
         if cuda:
@@ -178,15 +171,13 @@ def child(args: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     wall, cpu = train_step(measure=True)
     peak, gpu_peak = rss("VmHWM"), torch.cuda.max_memory_allocated(device) - setup_gpu if cuda else 0
-    if args.mode == "torch.utils.checkpoint":  # it keeps each step's input in a closure, unhooked
-        saved[-1] = stage.steps * x.numel() * x.element_size()
     torch.save([p.grad.cpu() for p in stage.parameters()], args.grads)
     timings = [train_step(measure=False) for _ in range(args.repeats)] or [(wall, cpu)]
     stats = stage.adjoint_stats
     result = Result(
         steps=stage.steps,
         mode=args.mode,
-        saved=sum(saved.values()),
+        saved=saved.total,
         peak_rss=peak,
         setup_rss=setup_rss,
         time=statistics.median(t for t, _ in timings),
@@ -196,29 +187,6 @@ def child(args: argparse.Namespace) -> None:
         gpu_peak=gpu_peak,
     )
     print(json.dumps(asdict(result)))
-
-
-def rss(field: str) -> int:
-    """VmRSS (now) or VmHWM (peak) of this process, in bytes.
-
-    Not getrusage's ru_maxrss: Linux carries the parent's peak over fork/exec into the child's,
-    so a child of the parent that built resnet50 would report the parent's peak.
-    """
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak_rss() -> None:
-    """Restart VmHWM at the current RSS (Linux >= 4.0), so the next peak is the step's own.
-
-    Where the kernel does not offer it (gVisor), the peak includes the setup's.
-    """
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 # -- the parent: build stages, spawn children, compare gradients, report -------------------------
@@ -384,8 +352,8 @@ def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repe
         + (" (**--quick**: smaller batch than the full (8, 1024, 14, 14))" if quick else "")
         + ". One training step per (N, mode),",
         "each in a fresh process. 'saved' counts tensors packed for backward during the forward (once",
-        "per storage, parameters excluded); for torch.utils.checkpoint it is the N step inputs its",
-        "closures hold, which saved_tensors_hooks cannot see. 'peak RSS' is the process's peak resident",
+        "per storage, parameters excluded; torch.utils.checkpoint's inputs are packed too). 'peak RSS'",
+        "is the process's peak resident",
         "memory (VmHWM) during the step, 'RSS over setup' its growth over the resident memory after",
         "loading the stage and building its step graphs. 'step s' is the median wall time of",
         f"{repeats} step(s) after the measured one (the first step also pays one-time allocator and",

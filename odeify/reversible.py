@@ -54,6 +54,7 @@ rebuilt y_0 that differs from z_0: every such pass warns and records the gap.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -124,11 +125,23 @@ def _fields_at(stage: StageIR, m: int) -> list[_Field]:
     return fields + ([_Field(t, False, starts_step=True, ends_step=False)] if starts else [])
 
 
+def _profiled(method):
+    """Label a lattice method's tensor ops as ``odeify.lattice`` in ``torch.profiler`` traces."""
+
+    @functools.wraps(method)
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function("odeify.lattice"):
+            return method(*args, **kwargs)
+
+    return labelled
+
+
 class _Lattice:
     """The lattice of one forward: spacing q per sample, states as float64 counts of q.
 
     Per sample (q has shape (N, 1, ..., 1)), so that a sample's result does not depend on its
-    batch: a data-parallel run and one process on the whole batch compute the same states.
+    batch: a data-parallel run and one process on the whole batch compute the same states. The
+    step updates work in place on the counts (no allocation of float64 states per step).
     """
 
     def __init__(self, x: Tensor, steps: int, quantum: Tensor | None = None) -> None:
@@ -136,18 +149,22 @@ class _Lattice:
         self.quantum = _quantum(x) if quantum is None else quantum
         self.increment_scale = (0.5 / steps) / self.quantum  # exact: q is a power of two
 
+    @_profiled
     def counts(self, value: Tensor) -> Tensor:
         """``value`` rounded to the lattice, in counts (exact for a value on it)."""
         return torch.div(value, self.quantum).round_()
 
+    @_profiled
     def increment(self, field: Tensor) -> Tensor:
         """[h/2 F] in counts."""
         return torch.mul(field, self.increment_scale).round_()
 
+    @_profiled
     def value(self, counts: Tensor) -> Tensor:
         """The lattice point ``counts * q`` rounded to the input's dtype."""
         return torch.mul(counts, self.quantum).to(self.dtype)
 
+    @_profiled
     def pack(self, y: Tensor, z: Tensor, out: Tensor) -> tuple[tuple[Tensor, ...] | None, str]:
         """The final (y, z) in compact exact form, ``(residual of y, d = z - y, q)`` beside ``out``.
 
@@ -170,6 +187,26 @@ class _Lattice:
         kept = _narrowest(residual, res_max) if res_max else None  # None: out is y_N exactly
         return (kept, _narrowest(d, d_max, (torch.int32,)), self.quantum), ""
 
+    @staticmethod
+    @_profiled
+    def advance(y: Tensor, z: Tensor, a: Tensor) -> Tensor:
+        """z_{m+1} = 2 y_m - z_m + 2 a_m, in place of z_m."""
+        return z.neg_().add_(y, alpha=2).add_(a, alpha=2)
+
+    @staticmethod
+    @_profiled
+    def retreat(y: Tensor, z: Tensor, b: Tensor) -> Tensor:
+        """z_{m-1} = 2 y_m - z_m - 2 b_{m-1}, in place of z_m."""
+        return z.neg_().add_(y, alpha=2).sub_(b, alpha=2)
+
+    @staticmethod
+    @_profiled
+    def add(y: Tensor, *increments: Tensor, sign: int = 1) -> None:
+        """y += sign * (sum of increments), in place."""
+        for increment in increments:
+            y.add_(increment, alpha=sign)
+
+    @_profiled
     def unpack(self, out: Tensor, residual: Tensor | None, d: Tensor) -> tuple[Tensor, Tensor]:
         """(y, z) in counts from :meth:`pack`'s form."""
         y = torch.div(out, self.quantum)
@@ -251,11 +288,11 @@ def _integrate(
                 context.record((m, f.left), graph, (z_in, *knot_window_inputs(graph, knots)))
             )
             if f.ends_step:
-                y.add_(a).add_(increment)  # y_m = y_{m-1} + a_{m-1} + b_{m-1}
+                lattice.add(y, a, increment)  # y_m = y_{m-1} + a_{m-1} + b_{m-1}
             if f.starts_step:
                 a = increment
         if m < stage.steps:
-            z = z.neg_().add_(y, alpha=2).add_(a, alpha=2)  # z_{m+1} = 2 y_m - z_m + 2 a_m
+            z = lattice.advance(y, z, a)
     return y, z
 
 
@@ -287,10 +324,10 @@ class _ReversiblePass:
         for m in range(self.steps, -1, -1):
             values = self._point(m, lattice.value(z), lam)
             if m < self.steps:
-                y.sub_(lattice.increment(values[True])).sub_(b)  # y_m = y_{m+1} - a_m - b_m
+                lattice.add(y, lattice.increment(values[True]), b, sign=-1)  # y_m = y_{m+1} - a_m - b_m
             if m > 0:
                 b = lattice.increment(values[False])  # b_{m-1}
-                z = z.neg_().add_(y, alpha=2).sub_(b, alpha=2)  # z_{m-1} = 2 y_m - z_m - 2 b_{m-1}
+                z = lattice.retreat(y, z, b)
         self._check_rebuild(y, z)
         return lam.result() if self.needs_x else None
 

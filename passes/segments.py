@@ -79,7 +79,11 @@ class Segment(nn.Module):
             return self.runnable(*args)
         for index, path in self.module_args.items():
             _refuse_training_batchnorm(args[index], path)
-        return checkpoint(self.runnable, *args, use_reentrant=False)
+        return checkpoint(self._run, *args, use_reentrant=False)
+
+    def _run(self, *args: Any) -> Any:
+        with torch.profiler.record_function("odeify.segment"):  # forward and recompute, in traces
+            return self.runnable(*args)
 
 
 def _refuse_training_batchnorm(module: nn.Module, path: str) -> None:
