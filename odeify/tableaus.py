@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -34,6 +35,12 @@ _ZERO = Fraction(0)
 _ONE = Fraction(1)
 
 
+MAX_NUMBER_TEXT = 64
+# a decimal or a ratio, with at most a two-digit exponent: Fraction("1e999999999") would build a
+# billion-digit integer before anything could check it
+_NUMBER_TEXT = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d{1,2})?(/\d+)?")
+
+
 def to_fraction(value: object, what: str = "value") -> Fraction:
     """Convert an int, Fraction, string like "1/3" or float to an exact Fraction.
 
@@ -52,8 +59,14 @@ def to_fraction(value: object, what: str = "value") -> Fraction:
             raise ConfigError(f"{what} must be finite, got {as_float!r}.")
         return Fraction(repr(as_float))
     if isinstance(value, str):
+        text = value.strip()
+        if len(text) > MAX_NUMBER_TEXT or not _NUMBER_TEXT.fullmatch(text):
+            raise ConfigError(
+                f"{what} {value[:40]!r} is not a number of a few digits: write an int, a decimal or a ratio like '1/3' "
+                f"(at most {MAX_NUMBER_TEXT} characters, exponents up to e±99)."
+            )
         try:
-            return Fraction(value.strip())
+            return Fraction(text)
         except (ValueError, ZeroDivisionError):
             raise ConfigError(
                 f"{what} {value!r} is not a number; write it as an int, a decimal or a ratio like '1/3'."

@@ -156,23 +156,6 @@ def test_integrator_of_wrong_type(digits) -> None:
         odeify.convert(digits, integrator=4, input_size=DIGITS_SHAPE)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "needle"),
-    [
-        ({"a": [[0, 0], ["1/2", 0]], "b": ["1/2", "1/3"]}, "sum to 5/6"),
-        ({"a": [[0, 1], [1, 0]], "b": ["1/2", "1/2"]}, "strictly lower triangular"),
-        ({"a": [[0, 0], [1, 0]], "b": ["1/2", "1/2"], "c": [0, "1/2"]}, "row sums"),
-        ({"a": [[0, 0], [2, 0]], "b": ["3/4", "1/4"]}, "outside [0, 1]"),
-        ({"a": [[0, 0], [1, 0]], "b": ["1/2", "1/2"], "order": 3}, "order at most 2"),
-        ({"a": [[0, 0], [1, 0]], "b": ["3/4", "1/4"], "order": 2}, "order-2 conditions do not hold"),
-        ({"a": [[0]], "b": ["x"]}, "not a number"),
-    ],
-)
-def test_invalid_tableau(kwargs: dict, needle: str) -> None:
-    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
-        Tableau.create("mine", **kwargs)
-
-
 def test_user_tableau_converts(digits, image) -> None:
     """A user's Heun3 tableau against the same three stages written out by hand."""
     heun3 = Tableau.create("heun3", [[0, 0, 0], ["1/3", 0, 0], [0, "2/3", 0]], ["1/4", 0, "3/4"], order=3)
