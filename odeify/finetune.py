@@ -448,8 +448,10 @@ class _Trainer:
             )
         bar.close()
         seconds = time.perf_counter() - started
-        if self.procs.world_size > 1:
+        if self.procs.world_size > 1:  # on the device: nccl reduces CUDA tensors only
+            totals = totals.to(self.procs.device)
             dist.all_reduce(totals)
+            totals = totals.cpu()
         return EpochRecord(
             epoch=epoch,
             val_accuracy=math.nan,
@@ -522,7 +524,7 @@ def _check_finite_weights(model: nn.Module, epoch: int) -> None:
 
 def _validate(model: nn.Module, loader, procs: Processes) -> float:
     """Validation accuracy, computed on rank 0 and shared with every rank."""
-    value = torch.zeros(1, dtype=torch.float64)
+    value = torch.zeros(1, dtype=torch.float64, device=procs.device)  # nccl broadcasts CUDA tensors only
     if procs.is_main:
         value[0] = evaluate(model, loader, device=procs.device).accuracy
     if procs.world_size > 1:
