@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "dot",
         },
     ),  # fmt: skip
-    ("apps", {"evaluate", "sweep", "plots", "finetune", "commands", "cli", "__init__"}),
+    ("apps", {"evaluate", "sweep", "plots", "finetune", "demo", "commands", "cli", "__main__", "__init__"}),
 ]
 
 
