@@ -137,17 +137,31 @@ def _profiled(method):
 
 
 class _Lattice:
-    """The lattice of one forward: spacing q per sample, states as float64 counts of q.
+    """The lattice of one pass: spacing q per sample, states as float64 counts of q.
 
     Per sample (q has shape (N, 1, ..., 1)), so that a sample's result does not depend on its
-    batch: a data-parallel run and one process on the whole batch compute the same states. The
-    step updates work in place on the counts (no allocation of float64 states per step).
+    batch: a data-parallel run and one process on the whole batch compute the same states.
+    Updates work in place and increments go to reused buffers: a float64 state of a large stage
+    is past the size malloc recycles, and allocating a fresh one per step costs more than the
+    arithmetic (page faults).
     """
 
     def __init__(self, x: Tensor, steps: int, quantum: Tensor | None = None) -> None:
         self.dtype = x.dtype
         self.quantum = _quantum(x) if quantum is None else quantum
         self.increment_scale = (0.5 / steps) / self.quantum  # exact: q is a power of two
+        # counts -> dtype, then * q (exact: q is a normal power of two in dtype) is round(counts * q),
+        # without a float64 temporary; fp16 could overflow on the counts, fp64 needs no rounding
+        self._via_dtype = self.dtype != torch.float64 and torch.finfo(self.dtype).max > EXACT_COUNTS
+        self._quantum_in_dtype = self.quantum.to(self.dtype)
+        self._spare: list[Tensor] = []
+
+    def buffer(self, like: Tensor) -> Tensor:
+        """A float64 tensor shaped like ``like`` (contents undefined), reused once released."""
+        return self._spare.pop() if self._spare else torch.empty_like(like, dtype=torch.float64)
+
+    def release(self, *buffers: Tensor | None) -> None:
+        self._spare.extend(b for b in buffers if b is not None)
 
     @_profiled
     def counts(self, value: Tensor) -> Tensor:
@@ -155,37 +169,16 @@ class _Lattice:
         return torch.div(value, self.quantum).round_()
 
     @_profiled
-    def increment(self, field: Tensor) -> Tensor:
-        """[h/2 F] in counts."""
-        return torch.mul(field, self.increment_scale).round_()
+    def increment(self, field: Tensor, like: Tensor) -> Tensor:
+        """[h/2 F] in counts, in a buffer (release it when done)."""
+        return torch.mul(field, self.increment_scale, out=self.buffer(like)).round_()
 
     @_profiled
     def value(self, counts: Tensor) -> Tensor:
-        """The lattice point ``counts * q`` rounded to the input's dtype."""
+        """The lattice point ``counts * q`` rounded to the input's dtype (a new tensor)."""
+        if self._via_dtype:
+            return counts.to(self.dtype).mul_(self._quantum_in_dtype)
         return torch.mul(counts, self.quantum).to(self.dtype)
-
-    @_profiled
-    def pack(self, y: Tensor, z: Tensor, out: Tensor) -> tuple[tuple[Tensor, ...] | None, str]:
-        """The final (y, z) in compact exact form, ``(residual of y, d = z - y, q)`` beside ``out``.
-
-        Returns ``(None, why)`` when the counts cannot hold the state exactly. One device sync.
-        """
-        residual = y - torch.div(out, self.quantum)  # integers: out is a multiple of q
-        d = z - y
-        tiny = torch.finfo(self.dtype).smallest_normal  # out is a multiple of q when q is at least this
-        y_max, z_max, res_max, d_max, q_min = torch.stack(
-            [y.abs().amax(), z.abs().amax(), residual.abs().amax(), d.abs().amax(), self.quantum.amin()]
-        ).tolist()
-        if not all(map(math.isfinite, (y_max, z_max, res_max, d_max))):
-            return None, "its state is not finite (a NaN or inf in the batch, or a field that overflowed)"
-        if max(y_max, z_max) >= EXACT_COUNTS or q_min < tiny:
-            growth = math.log2(max(y_max, z_max, 1.0)) - lattice_bits(self.dtype)
-            return None, (
-                f"its state grew to 2^{growth:.0f} times its input's magnitude, past the 2^"
-                f"{52 - lattice_bits(self.dtype)} up to which the lattice's float64 arithmetic is exact"
-            )
-        kept = _narrowest(residual, res_max) if res_max else None  # None: out is y_N exactly
-        return (kept, _narrowest(d, d_max, (torch.int32,)), self.quantum), ""
 
     @staticmethod
     @_profiled
@@ -207,12 +200,39 @@ class _Lattice:
             y.add_(increment, alpha=sign)
 
     @_profiled
+    def pack(self, y: Tensor, z: Tensor, out: Tensor) -> tuple[tuple[Tensor | None, ...] | None, str]:
+        """The final (y, z) in compact exact form, ``(residual of y, d = z - y, q)`` beside ``out``.
+
+        Consumes ``z`` (d is computed in its place). Returns ``(None, why)`` when the counts
+        cannot hold the state exactly. One device sync.
+        """
+        y_max, z_max = _largest(y), _largest(z)
+        d = z.sub_(y)
+        residual = torch.div(out, self.quantum, out=self.buffer(y)).sub_(y).neg_()  # integers
+        y_max, z_max, res_max, d_max = torch.stack([y_max, z_max, _largest(residual), _largest(d)]).tolist()
+        if not all(map(math.isfinite, (y_max, z_max, res_max, d_max))):
+            return None, "its state is not finite (a NaN or inf in the batch, or a field that overflowed)"
+        if max(y_max, z_max) >= EXACT_COUNTS:
+            growth = math.log2(max(y_max, z_max)) - lattice_bits(self.dtype)
+            return None, (
+                f"its state grew to 2^{growth:.0f} times its input's magnitude, past the 2^"
+                f"{52 - lattice_bits(self.dtype)} up to which the lattice's float64 arithmetic is exact"
+            )
+        kept = _narrowest(residual, res_max) if res_max else None  # None: out is y_N exactly
+        return (kept, _narrowest(d, d_max, (torch.int32,)), self.quantum), ""
+
+    @_profiled
     def unpack(self, out: Tensor, residual: Tensor | None, d: Tensor) -> tuple[Tensor, Tensor]:
         """(y, z) in counts from :meth:`pack`'s form."""
         y = torch.div(out, self.quantum)
         if residual is not None:
             y.add_(residual)
-        return y, y + d
+        return y, torch.add(y, d)
+
+
+def _largest(t: Tensor) -> Tensor:
+    """max |t| as a 0-dim tensor (NaN if any is NaN), without an |t| temporary."""
+    return torch.linalg.vector_norm(t, ord=math.inf)
 
 
 def _narrowest(counts: Tensor, largest: float, kinds=(torch.int8, torch.int16, torch.int32)) -> Tensor:
@@ -224,12 +244,18 @@ def _narrowest(counts: Tensor, largest: float, kinds=(torch.int8, torch.int16, t
 
 
 def _quantum(x: Tensor) -> Tensor:
-    """The lattice spacing per sample of ``x``: a power of two, 2^-bits of its max|x| rounded up."""
+    """The lattice spacing per sample of ``x``: a power of two, 2^-bits of its max|x| rounded up.
+
+    At least the dtype's smallest normal number, so that q and the dtype's values on the
+    lattice are exact in it (only an input below 2^(bits - 126) in fp32 gets a coarser lattice).
+    """
     magnitude = (
         x.detach().abs().amax(dim=tuple(range(1, x.dim())), keepdim=True) if x.dim() > 1 else x.abs().amax()
     )
     _, exponent = torch.frexp(magnitude.double())
-    return torch.ldexp(torch.ones_like(magnitude, dtype=torch.float64), exponent - lattice_bits(x.dtype))
+    smallest = round(math.log2(torch.finfo(x.dtype).smallest_normal))
+    exponent = (exponent - lattice_bits(x.dtype)).clamp_min(smallest)
+    return torch.ldexp(torch.ones_like(magnitude, dtype=torch.float64), exponent)
 
 
 class _ReversibleHeunAdjoint(torch.autograd.Function):
@@ -272,27 +298,32 @@ class _ReversibleHeunAdjoint(torch.autograd.Function):
 def _integrate(
     stage: StageIR, lattice: _Lattice, context: ForwardContext, knots, y: Tensor, points: list | None = None
 ) -> tuple[Tensor, Tensor]:
-    """The forward on the lattice from y_0 = z_0 = ``y`` (counts); returns (y_N, z_N).
+    """The forward on the lattice from y_0 = z_0 = ``y`` (counts, updated in place); returns (y_N, z_N).
 
     ``points``, when given, collects every z_m as the fields saw it (backward's fallback).
     """
     z = y.clone()
-    a = None
+    a = None  # a_{m-1}, then a_m
     for m in range(stage.steps + 1):
         z_in = lattice.value(z)
         if points is not None:
             points.append(z_in)
         for f in _fields_at(stage, m):
             graph = field_graph(stage, f.t, f.left)
-            increment = lattice.increment(
-                context.record((m, f.left), graph, (z_in, *knot_window_inputs(graph, knots)))
-            )
+            value = context.record((m, f.left), graph, (z_in, *knot_window_inputs(graph, knots)))
+            increment = lattice.increment(value, y)
+            del value
             if f.ends_step:
                 lattice.add(y, a, increment)  # y_m = y_{m-1} + a_{m-1} + b_{m-1}
+                lattice.release(a)
+                a = None
             if f.starts_step:
                 a = increment
+            else:
+                lattice.release(increment)
         if m < stage.steps:
             z = lattice.advance(y, z, a)
+    lattice.release(a)
     return y, z
 
 
@@ -324,9 +355,11 @@ class _ReversiblePass:
         for m in range(self.steps, -1, -1):
             values = self._point(m, lattice.value(z), lam)
             if m < self.steps:
-                lattice.add(y, lattice.increment(values[True]), b, sign=-1)  # y_m = y_{m+1} - a_m - b_m
+                a = lattice.increment(values[True], y)
+                lattice.add(y, a, b, sign=-1)  # y_m = y_{m+1} - a_m - b_m
+                lattice.release(a, b)
             if m > 0:
-                b = lattice.increment(values[False])  # b_{m-1}
+                b = lattice.increment(values[False], y)  # b_{m-1}
                 z = lattice.retreat(y, z, b)
         self._check_rebuild(y, z)
         return lam.result() if self.needs_x else None
@@ -392,30 +425,32 @@ class _ReversiblePass:
 
 
 class _Cotangents:
-    """λy, λz walking back from the output (y_N alone is the output, so λz_N = 0)."""
+    """λy, λz walking back from the output (y_N alone is the output, so λz_N = 0); updated in place."""
 
     def __init__(self, grad_out: Tensor, steps: int) -> None:
-        self.lam_y, self.lam_z = grad_out, None
+        self.lam_y, self.lam_z = grad_out.clone(), None
         self.h, self.half_h = 1.0 / steps, 0.5 / steps
 
     def at(self, m: int) -> tuple[Tensor | None, Tensor]:
         """Cotangents of the evaluations at z_m: (cA_m, cB_{m-1}); moves λy to y_m."""
         if self.lam_z is None:
-            return None, self.half_h * self.lam_y
-        cot_start = self.h * self.lam_z + self.half_h * self.lam_y
-        self.lam_y = self.lam_y + 2 * self.lam_z
-        return cot_start, self.half_h * self.lam_y
+            return None, self.lam_y * self.half_h
+        cot_start = torch.mul(self.lam_z, self.h).add_(self.lam_y, alpha=self.half_h)
+        self.lam_y.add_(self.lam_z, alpha=2)
+        return cot_start, self.lam_y * self.half_h
 
     def step(self, grad_z: Tensor | None) -> None:
         """λz_m = -λz_{m+1} + (the VJP's gradient w.r.t. z_m)."""
         if self.lam_z is None:
             self.lam_z = grad_z
+        elif grad_z is None:
+            self.lam_z.neg_()
         else:
-            self.lam_z = -self.lam_z if grad_z is None else grad_z - self.lam_z
+            self.lam_z = grad_z.sub_(self.lam_z)
 
     def result(self) -> Tensor:
         """The gradient w.r.t. x, which fed both y_0 and z_0."""
-        return self.lam_y + self.lam_z
+        return self.lam_y.add_(self.lam_z)
 
 
 class _Replaying:

@@ -459,7 +459,7 @@ def test_reversible_lattice_holds_states_exactly_up_to_its_bound() -> None:
         y = torch.full((2, 3), y_count, dtype=torch.float64)
         z = y + d_count
         out = lattice.value(y)
-        (residual, d, _), why = lattice.pack(y, z, out)
+        (residual, d, _), why = lattice.pack(y, z.clone(), out)  # pack consumes z
         assert not why and d.dtype == d_type
         assert residual is None or residual.dtype in (torch.int8, torch.int16, torch.int32)
         rebuilt = lattice.unpack(out, residual, d)
