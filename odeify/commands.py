@@ -553,20 +553,22 @@ def run_finetune(args: argparse.Namespace) -> int:
 
 
 def _finetuning_backward(model: fx.GraphModule, args: argparse.Namespace) -> str | dict[str, str]:
-    """--backward, or per stage: a memory-free mode a stage already has, else reversible for
-    reversible Heun and checkpoint for any other integrator (as --integrator leaves it)."""
-    from odeify.tableaus import resolve_integrator
+    """--backward; without it a memory-free mode per stage: the one it has (unless --integrator
+    changes the stage), else reversible for reversible Heun and checkpoint for any other integrator.
 
+    One mode for every stage comes back as a string: odeify's whole-model plan, which also
+    recomputes the parts between the stages in backward.
+    """
     if args.backward is not None:
         return args.backward
     modes = {}
     for stage in odeify.converted_stages(model):
-        integrator = resolve_integrator(args.integrator) if args.integrator else stage.integrator
+        integrator = args.integrator or stage.integrator.name
         if stage.backward != "backprop" and args.integrator is None:
             modes[stage.stage_name] = stage.backward
         else:
-            modes[stage.stage_name] = "reversible" if integrator.name == "reversible_heun" else "checkpoint"
-    return modes
+            modes[stage.stage_name] = "reversible" if integrator == "reversible_heun" else "checkpoint"
+    return modes.popitem()[1] if len(set(modes.values())) == 1 else modes
 
 
 def _classes_differ(model: fx.GraphModule, classes: int) -> bool:

@@ -204,9 +204,10 @@ def _memory(native: torch.nn.Module, data, out: Path) -> list[str]:
         "",
         *markdown_table(headers, rows, text_columns=1),
         "",
-        "backprop keeps every intermediate and checkpoint every step's state: both grow with depth. reverse "
-        "and reversible keep only what the stages take in and give out: flat in depth. The rest (stem, "
-        "downsampling block, head) is the same for all modes. "
+        "Each memory-saving mode here is set for the whole model (`backward='checkpoint'` etc.), so the "
+        "parts between the stages (stem, downsampling block, head) are recomputed in backward too. "
+        "backprop keeps every intermediate and checkpoint every step's state: both grow with depth. "
+        "reverse and reversible keep what the stages and segments take in and give out: flat in depth. "
         f"reverse rebuilt the states by stepping Euler backward; in {fell_back} of its {passes} stage "
         "backward passes the rebuilt states missed the tolerance and the pass was redone exactly from the "
         "stage input (more compute in backward, the same memory between forward and backward).",

@@ -13,7 +13,6 @@ from fractions import Fraction
 
 import torch
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter, ScalarFormatter
 from torch import nn
 
 from odeify.bases import get_basis
@@ -74,9 +73,6 @@ def plot_weight_path(model: nn.Module, path: str | os.PathLike[str], title: str 
             color = f"C{index % 10}"
             ax.plot(times, norms, color=color, linewidth=1.4, label=name)
             ax.plot([k / count for k in range(count)], knot_norms, "o", color=color, markersize=5)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("depth t (stage input 0, output 1)")
         ax.set_ylabel("norm of the weight tensor")
         ax.set_title(
@@ -136,9 +132,9 @@ def plot_history(
         xlabel="epoch (0 = before fine-tuning)", ylabel="validation accuracy (%)", title=f"{title}: accuracy"
     )
     loss_ax.set(xlabel="epoch", ylabel="mean training loss", title=f"{title}: loss")
-    for ax in (acc_ax, loss_ax):
+    for ax, corner in ((acc_ax, "lower right"), (loss_ax, "upper right")):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc=corner)
     _save(fig, path)
 
 
