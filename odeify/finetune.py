@@ -54,6 +54,7 @@ from odeify.datasets import LabelledData, make_loader
 from odeify.errors import ConfigError, OdeifyError
 from odeify.evaluate import evaluate
 from odeify.fileio import atomic_write_bytes
+from odeify.io import save
 
 __all__ = [
     "BEST_FILE",
@@ -258,6 +259,60 @@ def finetune(
     recorded with the run and must match on resume, with every other setting (a resumed run
     continues the recorded one). ``log`` receives one line per epoch and per event (rank 0 only).
     """
+    refine_epochs = _check_arguments(model, recipe, refine_at, max_batches)
+    teacher = _teacher(model, data, recipe, teacher)
+    procs = processes or Processes()
+    folder = Path(out) if out is not None else None
+    run = {
+        "recipe": asdict(recipe),
+        "refine_at": refine_epochs,
+        "seed": seed,
+        "max_batches": max_batches,
+        "world_size": procs.world_size,
+        **(run_info or {}),
+    }
+    loader = make_loader(
+        data.train, recipe.batch_size, train=True, seed=seed, rank=procs.rank, world_size=procs.world_size,
+        workers=workers,
+    )  # fmt: skip
+    val_loader = make_loader(data.val, max(recipe.batch_size, 256), train=False, workers=workers)
+    batches = min(len(loader), max_batches or len(loader))
+    if batches == 0:
+        raise ConfigError(
+            f"the training split has {len(data.train)} samples per {procs.world_size} process(es): not one "
+            f"full batch of {recipe.batch_size}. Lower --batch-size."
+        )
+    if procs.is_main:
+        log(_header(model, procs))
+    trainer = _Trainer(model.to(procs.device), recipe, procs, batches * recipe.epochs, teacher)
+    if resume:
+        history = _resume(trainer, _require_folder(folder), run, refine_epochs, log)
+    else:
+        history = _begin(trainer, val_loader, folder, log)
+    for epoch in range(len(history), recipe.epochs + 1):
+        if epoch in refine_epochs:
+            before = _shape(trainer.model)
+            kept = trainer.replace_model(refine(trainer.model))
+            if procs.is_main:
+                optimizer = type(trainer.optimizer).__name__
+                log(_refine_message(epoch, before, _shape(trainer.model), kept, optimizer))
+        _reseed(seed, epoch, procs.rank)
+        loader.sampler.set_epoch(epoch)
+        record = trainer.train_epoch(loader, batches, epoch, progress and procs.is_main)
+        record.val_accuracy = _validate(trainer.model, val_loader, procs)
+        history.append(record)
+        best = max(h.val_accuracy for h in history[:-1])
+        if folder is not None:
+            trainer.save(folder, epoch, history, run, improved=record.val_accuracy > best)
+        if procs.is_main:
+            log(_epoch_line(record, recipe.epochs, best, folder))
+    return FineTuneResult(trainer.model, history)
+
+
+def _check_arguments(
+    model: nn.Module, recipe: Recipe, refine_at: Sequence[int], max_batches: int | None
+) -> list[int]:
+    """Refuse what cannot be trained before any work; returns the refinement epochs, sorted."""
     if not converted_stages(model):
         raise ConfigError(
             "finetune takes a converted model (odeify.convert / odeify.load); this one has no ODE stages."
@@ -272,87 +327,48 @@ def finetune(
         )
     if max_batches is not None and max_batches < 1:
         raise ConfigError(f"max_batches must be a positive integer or None; got {max_batches!r}.")
-    if recipe.distill > 0:
-        _check_classes(model, data)
-        teacher = teacher if teacher is not None else native_depth(model)
-    else:
-        teacher = None
-    procs = processes or Processes()
-    folder = Path(out) if out is not None else None
-    run = {
-        "recipe": asdict(recipe),
-        "refine_at": refine_epochs,
-        "seed": seed,
-        "max_batches": max_batches,
-        "world_size": procs.world_size,
-        **(run_info or {}),
-    }
-    loader = make_loader(
-        data.train,
-        recipe.batch_size,
-        train=True,
-        seed=seed,
-        rank=procs.rank,
-        world_size=procs.world_size,
-        workers=workers,
-    )
-    val_loader = make_loader(data.val, max(recipe.batch_size, 256), train=False, workers=workers)
-    batches = min(len(loader), max_batches or len(loader))
-    if batches == 0:
-        raise ConfigError(
-            f"the training split has {len(data.train)} samples per {procs.world_size} process(es): not one "
-            f"full batch of {recipe.batch_size}. Lower --batch-size."
-        )
-    if teacher is not None:
-        teacher = teacher.to(procs.device).eval()
-    if procs.is_main:
-        log(_header(model, procs))
-    trainer = _Trainer(model.to(procs.device), recipe, procs, batches * recipe.epochs, teacher)
-    history: list[EpochRecord] = []
-    start = 1
-    if resume:
-        state = _read_state(_require_folder(folder) / STATE_FILE)
-        _check_same_run(state["run"], run, folder)
-        for epoch in refine_epochs:
-            if epoch <= state["epoch"]:
-                trainer.replace_model(refine(trainer.model))
-        trainer.load(state)
-        history = [EpochRecord(**r) for r in state["history"]]
-        start = state["epoch"] + 1
-        if procs.is_main:
-            log(f"resumed {folder} after epoch {state['epoch']} (optimizer step {trainer.step})")
-    else:
-        history.append(EpochRecord(0, _validate(trainer.model, val_loader, procs), **_shape(trainer.model)))
-        if folder is not None and procs.is_main:
-            from odeify.io import save
+    return refine_epochs
 
-            save(trainer.model, folder / BEST_FILE)
-        teacher_accuracy = _validate(teacher, val_loader, procs) if teacher is not None else None
-        if procs.is_main:
-            log(f"epoch 0 (before fine-tuning): val accuracy {history[0].val_accuracy:.2%}")
-            if teacher_accuracy is not None:
-                log(_teacher_line(teacher_accuracy, history[0].val_accuracy, recipe))
-    for epoch in range(start, recipe.epochs + 1):
-        if epoch in refine_epochs:
-            before = _shape(trainer.model)
-            kept = trainer.replace_model(refine(trainer.model))
-            if procs.is_main:
-                log(
-                    _refine_message(
-                        epoch, before, _shape(trainer.model), kept, type(trainer.optimizer).__name__
-                    )
-                )
-        _reseed(seed, epoch, procs.rank)
-        loader.sampler.set_epoch(epoch)
-        record = trainer.train_epoch(loader, batches, epoch, progress and procs.is_main)
-        record.val_accuracy = _validate(trainer.model, val_loader, procs)
-        history.append(record)
-        best = max(h.val_accuracy for h in history[:-1])
-        if folder is not None:
-            trainer.save(folder, epoch, history, run, improved=record.val_accuracy > best)
-        if procs.is_main:
-            log(_epoch_line(record, recipe.epochs, best, folder))
-    return FineTuneResult(trainer.model, history)
+
+def _teacher(
+    model: nn.Module, data: LabelledData, recipe: Recipe, teacher: nn.Module | None
+) -> nn.Module | None:
+    """The model to distill from, in eval mode; None when the recipe does not distill."""
+    if recipe.distill == 0:
+        return None
+    _check_classes(model, data)
+    return (teacher if teacher is not None else native_depth(model)).eval()
+
+
+def _begin(
+    trainer: _Trainer, val_loader, folder: Path | None, log: Callable[[str], None]
+) -> list[EpochRecord]:
+    """Evaluate the model (and the teacher) before training: the history's epoch 0."""
+    procs = trainer.procs
+    start = EpochRecord(0, _validate(trainer.model, val_loader, procs), **_shape(trainer.model))
+    if folder is not None and procs.is_main:
+        save(trainer.model, folder / BEST_FILE)
+    teacher = _validate(trainer.teacher, val_loader, procs) if trainer.teacher is not None else None
+    if procs.is_main:
+        log(f"epoch 0 (before fine-tuning): val accuracy {start.val_accuracy:.2%}")
+        if teacher is not None:
+            log(_teacher_line(teacher, start.val_accuracy, trainer.recipe))
+    return [start]
+
+
+def _resume(
+    trainer: _Trainer, folder: Path, run: dict, refine_epochs: list[int], log: Callable[[str], None]
+) -> list[EpochRecord]:
+    """Restore the run recorded in ``folder`` (refinements, weights, optimizer); returns its history."""
+    state = _read_state(folder / STATE_FILE)
+    _check_same_run(state["run"], run, folder)
+    for epoch in refine_epochs:
+        if epoch <= state["epoch"]:
+            trainer.replace_model(refine(trainer.model))
+    trainer.load(state)
+    if trainer.procs.is_main:
+        log(f"resumed {folder} after epoch {state['epoch']} (optimizer step {trainer.step})")
+    return [EpochRecord(**r) for r in state["history"]]
 
 
 class _Trainer:
@@ -366,7 +382,8 @@ class _Trainer:
         total_steps: int,
         teacher: nn.Module | None,
     ) -> None:
-        self.recipe, self.procs, self.total_steps, self.teacher = recipe, procs, total_steps, teacher
+        self.recipe, self.procs, self.total_steps = recipe, procs, total_steps
+        self.teacher = teacher.to(procs.device) if teacher is not None else None
         self.step = 0
         self.model = model
         self.optimizer = self._optimizer()
@@ -477,8 +494,6 @@ class _Trainer:
     def save(self, folder: Path, epoch: int, history: list[EpochRecord], run: dict, improved: bool) -> None:
         """Write state, last, best (if ``improved``) and history on rank 0; every rank waits for it."""
         if self.procs.is_main:
-            from odeify.io import save
-
             _check_finite_weights(self.model, epoch)
             _write_state(folder / STATE_FILE, self, epoch, history, run)
             save(self.model, folder / LAST_FILE)

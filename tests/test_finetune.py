@@ -347,7 +347,8 @@ def test_torchrun_two_processes_train_like_one_on_the_combined_batch(tmp_path: P
     assert ddp.keys() == one.keys()
     assert [n for n in one if "knots" in n and not torch.equal(one[n], start[n])], "the knots did not train"
     for name in one:
-        torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+        # measured: at most 3e-8 apart (gloo's float reduction order); a wrong shard or average is far off
+        torch.testing.assert_close(ddp[name], one[name], rtol=1e-6, atol=2e-7, msg=name)
     assert odeify.load(tmp_path / "ddp" / LAST_FILE) is not None
 
 
