@@ -347,6 +347,8 @@ def test_finetune_then_eval(converted_file: Path, tmp_path: Path, capsys: pytest
 def _bad_inputs(tmp: Path, converted: Path) -> list[tuple[list[str], str]]:
     (tmp / "folder").mkdir(exist_ok=True)
     (tmp / "text.txt").write_text("not a model")
+    if not (tmp / "fifo").exists():
+        os.mkfifo(tmp / "fifo")
     (tmp / "no_val" / "train" / "a").mkdir(parents=True, exist_ok=True)
     out = str(tmp / "out.safetensors")
     tune = ["finetune", str(converted), "--data", "digits"]
@@ -358,6 +360,7 @@ def _bad_inputs(tmp: Path, converted: Path) -> list[tuple[list[str], str]]:
         (["inspect", "resnet18", "--input-size", "1", "64", "64"], "channels"),
         (["inspect", "no/such/model.safetensors"], "not found"),
         (["inspect", str(tmp / "folder")], "folder"),
+        (["inspect", str(tmp / "fifo")], "FIFO"),  # refused without opening it (which would block)
         (["inspect", "resnet18", *SMALL, "--leaf", "NoSuchBlock"], "--leaf NoSuchBlock"),
         (["convert", "--backward", "reversible", "-o", out], "reversible"),
         (["convert", "-o", str(tmp / "folder")], "is a folder"),
