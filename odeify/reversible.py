@@ -163,15 +163,18 @@ class _Lattice:
     def release(self, *buffers: Tensor | None) -> None:
         self._spare.extend(b for b in buffers if b is not None)
 
+    # Mixed-dtype elementwise ops (fp32 * float64 -> float64) take a slow, unvectorised path on the
+    # CPU (10x a same-dtype op here): values are copied into float64 first, then scaled in place.
+
     @_profiled
     def counts(self, value: Tensor) -> Tensor:
         """``value`` rounded to the lattice, in counts (exact for a value on it)."""
-        return torch.div(value, self.quantum).round_()
+        return torch.empty_like(value, dtype=torch.float64).copy_(value).div_(self.quantum).round_()
 
     @_profiled
     def increment(self, field: Tensor, like: Tensor) -> Tensor:
         """[h/2 F] in counts, in a buffer (release it when done)."""
-        return torch.mul(field, self.increment_scale, out=self.buffer(like)).round_()
+        return self.buffer(like).copy_(field).mul_(self.increment_scale).round_()
 
     @_profiled
     def value(self, counts: Tensor) -> Tensor:
@@ -208,7 +211,7 @@ class _Lattice:
         """
         y_max, z_max = _largest(y), _largest(z)
         d = z.sub_(y)
-        residual = torch.div(out, self.quantum, out=self.buffer(y)).sub_(y).neg_()  # integers
+        residual = self.buffer(y).copy_(out).div_(self.quantum).sub_(y).neg_()  # y - out / q: integers
         y_max, z_max, res_max, d_max = torch.stack([y_max, z_max, _largest(residual), _largest(d)]).tolist()
         if not all(map(math.isfinite, (y_max, z_max, res_max, d_max))):
             return None, "its state is not finite (a NaN or inf in the batch, or a field that overflowed)"
@@ -224,7 +227,7 @@ class _Lattice:
     @_profiled
     def unpack(self, out: Tensor, residual: Tensor | None, d: Tensor) -> tuple[Tensor, Tensor]:
         """(y, z) in counts from :meth:`pack`'s form."""
-        y = torch.div(out, self.quantum)
+        y = torch.empty_like(out, dtype=torch.float64).copy_(out).div_(self.quantum)
         if residual is not None:
             y.add_(residual)
         return y, torch.add(y, d)

@@ -1,0 +1,518 @@
+"""Benchmark: one whole-model training step, timm against odeify's backward modes.
+
+resnet50 and resnet152 with random non-trivial weights (``make_test_model``: no zero-initialised
+branches, randomised BN statistics), a batch of 8 224x224 images, fp32, cross-entropy, on the CPU.
+Rows: timm plain and with ``set_grad_checkpointing(True)`` (both in train mode, as a user trains),
+and the converted model trained with backprop / checkpoint / reverse (Euler) and reversible
+(reversible Heun; on the default piecewise-constant weight path, and on a linear one, where
+consecutive steps share a field evaluation), at native steps and at 4x steps. The memory-free
+modes run with the whole-model memory plan: the parts between stages are checkpointed
+(``odeify.passes.segments``).
+
+Each configuration runs in a fresh process: build and convert, a warm-up step (builds the step
+graphs, allocates the gradients), one measured step, ``--repeats`` timed steps. Columns:
+
+- saved: bytes autograd saves for backward during the forward, once per storage, parameters
+  excluded (``benchmarks/memory.py``);
+- RSS growth: the process's peak resident memory during the measured step over its resident
+  memory before it;
+- step time: median wall time of the timed steps, as a ratio to timm plain on the same model in
+  the same run (and the same for process CPU time, less sensitive to a busy machine);
+- grad err: relative error of all parameter gradients (one vector) against backprop of the same
+  manifestation (same integrator, basis and steps), computed in the same process after timing;
+- fp32 band (reversible rows, native steps): that backprop run on one thread against itself on
+  all threads: how far apart two correct fp32 gradients of this model already are;
+- fallbacks: backward passes that could not stay memory-free (reverse: reconstruction failed;
+  reversible: the state could not be kept exactly), out of all passes the process ran.
+
+``--profile`` adds where the time goes: one more step of some rows under ``torch.profiler``.
+Writes benchmarks/results/train_step.md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from machine import describe_machine
+from memory import SavedBytes, reset_peak_rss, rss
+from rich.console import Console
+from rich.table import Table
+from tables import markdown_table
+from torch import nn
+
+import odeify
+from odeify._testing import make_test_model
+from odeify.fileio import atomic_write_bytes
+from odeify.passes.segments import has_segments
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = ["resnet50", "resnet152"]
+STEPS = ["native", "x4"]
+BATCH, SIZE, CLASSES = 8, 224, 1000
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class Row:
+    """One way to train: timm's model, or the converted one with a backward mode."""
+
+    integrator: str | None = None  # None: timm's own model
+    backward: str | None = None
+    basis: str = "constant"
+    grad_checkpointing: bool = False
+
+
+ROWS = {
+    "timm": Row(),
+    "timm + grad checkpointing": Row(grad_checkpointing=True),
+    "odeify backprop": Row("euler", "backprop"),
+    "odeify checkpoint": Row("euler", "checkpoint"),
+    "odeify reverse": Row("euler", "reverse"),
+    "odeify reversible": Row("reversible_heun", "reversible"),
+    "odeify reversible, linear path": Row("reversible_heun", "reversible", basis="linear"),
+}
+PROFILED = [
+    "timm",
+    "odeify backprop",
+    "odeify checkpoint",
+    "odeify reversible",
+    "odeify reversible, linear path",
+]
+
+
+@dataclass
+class Result:
+    """One (model, row, steps) measurement: bytes, seconds."""
+
+    model: str
+    row: str
+    steps: str
+    saved: int
+    rss_growth: int
+    warmup: float
+    times: list[float]
+    cpu_times: list[float]
+    grad_error: float = math.nan
+    band: float = math.nan  # fp32 backprop on 1 thread against itself on all threads
+    fallbacks: int = 0
+    passes: int = 0
+    profile: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def time(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def cpu_time(self) -> float:
+        return statistics.median(self.cpu_times)
+
+
+# -- the child: one configuration in a fresh process ----------------------------------------------
+def build(model_name: str, row: Row, steps: str) -> nn.Module:
+    model = make_test_model(model_name)
+    if row.integrator is None:
+        model.set_grad_checkpointing(row.grad_checkpointing)
+        return model.train()
+    gm = odeify.convert(
+        model, integrator=row.integrator, basis=row.basis, steps=steps, input_size=(1, 3, SIZE, SIZE)
+    )
+    if row.backward != "backprop":
+        odeify.set_backward(gm, row.backward)  # one mode for the whole model: segments checkpointed too
+        assert has_segments(gm)
+    return gm.train()
+
+
+def child(args: argparse.Namespace) -> None:
+    row = ROWS[args.row]
+    model = build(args.model, row, args.steps)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, 3, SIZE, SIZE, generator=g)
+    labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
+    saved = SavedBytes(model.parameters())
+
+    def step(count: bool = False) -> tuple[float, float]:
+        model.zero_grad(set_to_none=True)
+        wall, cpu = time.perf_counter(), time.process_time()
+        with saved.counting() if count else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x), labels)
+        loss.backward()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    warnings.filterwarnings("ignore", "odeify: stage", RuntimeWarning)  # fallbacks are counted below
+    warmup, _ = step()
+    before = rss("VmRSS")
+    reset_peak_rss()
+    step(count=True)
+    growth = rss("VmHWM") - before
+    timings = [step() for _ in range(args.repeats)]
+    stages = odeify.converted_stages(model) if row.integrator else []
+    result = Result(
+        model=args.model,
+        row=args.row,
+        steps=args.steps,
+        saved=saved.total,
+        rss_growth=growth,
+        warmup=warmup,
+        times=[t for t, _ in timings],
+        cpu_times=[c for _, c in timings],
+        fallbacks=sum(s.adjoint_stats.fallbacks for s in stages),
+        passes=sum(s.adjoint_stats.backward_passes for s in stages),
+    )
+    if args.profile:
+        result.profile = profile(step)
+    if row.integrator and row.backward != "backprop":
+        got = [p.grad.detach().clone() for p in model.parameters()]
+        odeify.set_backward(model, "backprop")  # in place; inlines the segments too
+        step()
+        want = [p.grad.detach().clone() for p in model.parameters()]
+        result.grad_error = relative_error(got, want)
+        if row.backward == "reversible" and args.steps == "native":
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # other kernels, other summation order: fp32's own spread
+            step()
+            torch.set_num_threads(threads)
+            result.band = relative_error([p.grad for p in model.parameters()], want)
+    print(json.dumps(asdict(result)))
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    diff = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(got, want, strict=True))
+    return math.sqrt(diff / sum(float(b.double().square().sum()) for b in want))
+
+
+def profile(step) -> dict[str, float]:
+    """Seconds of one profiled step by category (self times of the ops, on the calling thread)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall, _ = step()
+    self_time: dict[str, float] = {}
+    total_time: dict[str, float] = {}
+    for event in prof.key_averages():
+        self_time[event.key] = event.self_cpu_time_total / 1e6
+        total_time[event.key] = event.cpu_time_total / 1e6
+    aten = {k: v for k, v in self_time.items() if k.startswith("aten::")}
+    conv_bwd = sum(v for k, v in aten.items() if "convolution_backward" in k)
+    conv_fwd = sum(v for k, v in aten.items() if "convolution" in k and "backward" not in k)
+    lattice = total_time.get("odeify.lattice", 0.0)
+
+    def inclusive(*names: str) -> float:
+        return sum(total_time.get(n, 0.0) for n in names)
+
+    return {
+        "step": wall,
+        "conv forward": conv_fwd,
+        "conv backward": conv_bwd,
+        "lattice arithmetic": lattice,
+        "other tensor ops": sum(aten.values()) - conv_fwd - conv_bwd - lattice,
+        "outside tensor ops": wall - sum(aten.values()),
+        "stage forwards": inclusive("_StageAdjoint", "_ReversibleHeunAdjoint"),
+        "stage backwards": inclusive("_StageAdjointBackward", "_ReversibleHeunAdjointBackward"),
+        "segments (forward + recompute)": inclusive("odeify.segment"),
+    }
+
+
+# -- the parent: one process per configuration ------------------------------------------------
+def measure(model: str, row: str, steps: str, repeats: int, profiled: bool) -> Result:
+    """Run one configuration in a fresh process and read its result."""
+    command = [
+        sys.executable, __file__, "--child", "--model", model, "--row", row, "--steps", steps,
+        "--repeats", str(repeats), *(["--profile"] if profiled else []),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{model} / {row} / {steps} failed:\n{done.stderr[-4000:]}")
+    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+FLAT_ROWS = ("odeify reverse", "odeify reversible", "odeify reversible, linear path")
+"""The rows whose memory should not grow with steps: the ones resnet152 runs at 4x steps by default."""
+
+
+def configurations(
+    models: list[str], rows: list[str], steps: list[str], every_deep: bool
+) -> list[tuple[str, str, str]]:
+    """(model, row, steps) to run: timm rows once; resnet152 at 4x steps only the flat rows unless asked."""
+    chosen = []
+    for model in models:
+        for row in rows:
+            for s in steps if ROWS[row].integrator else ["native"]:
+                if s == "native" or every_deep or model == MODELS[0] or row in FLAT_ROWS:
+                    chosen.append((model, row, s))
+    return chosen
+
+
+# -- reporting ------------------------------------------------------------------------------------
+HEADERS = (
+    "model", "row", "steps", "saved MiB", "saved vs timm", "RSS growth MiB", "step s",
+    "time vs timm", "CPU time vs timm", "grad err", "fp32 band", "fallbacks",
+)  # fmt: skip
+
+
+def baseline(result: Result, results: list[Result]) -> Result:
+    return next(r for r in results if r.model == result.model and r.row == "timm")
+
+
+def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
+    base = baseline(r, results)
+    return (
+        r.model,
+        r.row,
+        r.steps if ROWS[r.row].integrator else "-",
+        f"{r.saved / MB:.0f}",
+        f"{r.saved / base.saved:.2f}",
+        f"{r.rss_growth / MB:.0f}",
+        f"{r.time:.1f}",
+        f"{r.time / base.time:.2f}x",
+        f"{r.cpu_time / base.cpu_time:.2f}x",
+        "-" if math.isnan(r.grad_error) else f"{r.grad_error:.1e}",
+        "-" if math.isnan(r.band) else f"{r.band:.1e}",
+        f"{r.fallbacks}/{r.passes}" if r.passes else "-",
+    )
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "not met"
+
+
+def targets(results: list[Result]) -> list[str]:
+    """The issue's targets, each with what was measured."""
+
+    def find(model: str, row: str, steps: str = "native") -> Result | None:
+        return next((r for r in results if (r.model, r.row, r.steps) == (model, row, steps)), None)
+
+    lines = []
+    for row in ("odeify reverse", "odeify reversible", "odeify reversible, linear path"):
+        for model, other, limit, what in [
+            ("resnet50", "timm + grad checkpointing", 0.5, "timm's gradient checkpointing"),
+            ("resnet152", "timm", 0.1, "timm plain"),
+        ]:
+            mine, theirs, deep = find(model, row), find(model, other), find(model, row, "x4")
+            if mine and theirs:
+                ratio = mine.saved / theirs.saved
+                lines.append(
+                    f"{model}, {row}: saves {mine.saved / MB:.0f} MiB = {ratio:.2f} of {what}'s "
+                    f"{theirs.saved / MB:.0f} MiB (target <= {limit}: {verdict(ratio <= limit)})"
+                )
+            if mine and deep:
+                growth = deep.saved / mine.saved
+                lines.append(
+                    f"{model}, {row}: saved bytes x{growth:.2f} from native to 4x steps "
+                    f"(target: flat within 10%: {verdict(growth <= 1.1)})"
+                )
+    for row in ("odeify reversible", "odeify reversible, linear path"):
+        for model in MODELS:
+            mine, plain = find(model, row), find(model, "timm")
+            if mine and plain:
+                ratio = mine.time / plain.time
+                lines.append(
+                    f"{model}, {row}: step time {ratio:.2f}x timm plain at native steps (CPU time "
+                    f"{mine.cpu_time / plain.cpu_time:.2f}x; target <= 1.8x: {verdict(ratio <= 1.8)})"
+                )
+    errors = [r.grad_error for r in results if "reversible" in r.row and not math.isnan(r.grad_error)]
+    if errors:
+        lines.append(
+            f"reversible gradients vs backprop of the same manifestation: at most {max(errors):.1e} (fp32)"
+        )
+    return lines
+
+
+def profile_table(results: list[Result]) -> list[str]:
+    rows = [r for r in results if r.profile]
+    if not rows:
+        return []
+    keys = list(rows[0].profile)
+    lines = [
+        "## Where the time goes",
+        "",
+        "One more step of each row below under `torch.profiler` (resnet50, native steps), in seconds:",
+        "self times of the tensor ops on the calling thread, grouped; 'outside tensor ops' is the",
+        "step's wall time minus all tensor ops' self time (Python, autograd bookkeeping, waiting for",
+        "a busy CPU). The last three columns are inclusive times of regions (they overlap the op",
+        "columns): the stages' autograd Functions and the checkpointed segments. The profiler itself",
+        "slows each op a little.",
+        "",
+        *markdown_table(["row", *keys], ([r.row, *(f"{r.profile[k]:.2f}" for k in keys)] for r in rows), 1),
+        "",
+    ]
+    return lines
+
+
+NOTES = """Reading the numbers:
+
+- What each odeify row keeps between forward and backward: the input image (the first segment's
+  input), every segment's input (the output of the stage before it), and per stage what its
+  mode keeps: checkpoint every step's state; reverse the stage input (its output is kept by the
+  next segment); reversible its output's lattice residual (int8 counts) and z - y (int32
+  counts), 1.25 fp32 states beside the output. odeify backprop keeps every activation of the
+  converted model, which has BatchNorm folded (timm's model keeps BN's inputs too).
+- reverse cannot rebuild the states of a ReLU ResNet with Euler steps (stepping Euler backward
+  through a kink is not an inverse): its passes fall back to exact checkpointing from the stage
+  input ('fallbacks'), which is why its gradients are exact and its time includes the failed
+  attempt. The bytes saved are the same either way: the fallback's states live during backward
+  only (the RSS growth shows them).
+- reversible Heun evaluates the field twice per step. On the default piecewise-constant weight
+  path the two evaluations at a step boundary use different knots, so a native-depth stage costs
+  twice the blocks' convolutions in forward, and again in backward; on a linear path consecutive
+  steps share one evaluation (steps + 1 per stage).
+- Step times come from a shared 2-core machine; the load average before and after the run is
+  recorded below. Ratios to timm plain are from the same run; CPU-time ratios are less sensitive
+  to other processes than wall-time ratios."""
+
+
+def markdown(
+    results: list[Result],
+    command: str,
+    repeats: tuple[int, int],
+    png: str,
+    load_before: str,
+    failures: list[str],
+) -> str:
+    lines = [
+        "# Whole-model training step: timm against odeify's backward modes",
+        "",
+        f"Random-weight timm models (non-zero branches, randomised BN statistics), batch {BATCH} of "
+        f"{SIZE}x{SIZE} images, fp32, cross-entropy, CPU. One process per configuration; 'step s' is "
+        f"the median wall time of {repeats[0]} steps ({repeats[1]} at 4x steps) after a warm-up and a "
+        "measured step. See the script's docstring for the columns.",
+        "",
+        *markdown_table(HEADERS, (cells(r, results) for r in results), text_columns=3),
+        "",
+        *(["Failed configurations:", "", *(f"- {f}" for f in failures), ""] if failures else []),
+        "Targets:",
+        "",
+        *(f"- {line}" for line in targets(results)),
+        "",
+        *profile_table(results),
+        NOTES,
+        "",
+        f"![saved bytes and step time per row]({png})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {describe_machine()}; load average (1, 5, 15 min) at the start: {load_before}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in results))
+    fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 8), squeeze=False)
+    for column, model in enumerate(models):
+        mine = [r for r in results if r.model == model]
+        base = baseline(mine[0], results)
+        rows = list(dict.fromkeys(r.row for r in mine))
+        for k, steps in enumerate(STEPS):
+            found = {r.row: r for r in mine if r.steps == steps}
+            positions = [i + 0.4 * k for i, row in enumerate(rows) if row in found]
+            label = f"{steps} steps" if k else "native steps (timm: its model)"
+            axes[0][column].bar(
+                positions, [found[row].saved / MB for row in rows if row in found], 0.4, label=label
+            )
+            axes[1][column].bar(
+                positions, [found[row].time / base.time for row in rows if row in found], 0.4, label=label
+            )
+        for ax, ylabel in (
+            (axes[0][column], "saved for backward (MiB)"),
+            (axes[1][column], "step time / timm plain"),
+        ):
+            ax.set_xticks([i + 0.2 for i in range(len(rows))])
+            ax.set_xticklabels(rows, rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel(ylabel)
+            ax.set_title(model)
+            ax.grid(True, axis="y", alpha=0.3)
+        axes[0][column].legend(fontsize=8)
+        axes[1][column].axhline(1.8, color="gray", linestyle="--", linewidth=1)
+    fig.suptitle(f"one training step, batch {BATCH}, {SIZE}x{SIZE}, fp32, CPU")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=MODELS, help="models to run")
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="ways to train")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS, help="manifestations")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps at native steps (median)")
+    parser.add_argument("--repeats-x4", type=int, default=1, help="timed steps at 4x steps (median)")
+    parser.add_argument(
+        "--every-deep",
+        action="store_true",
+        help="every odeify row at 4x steps on every model (default: resnet152 only reverse and reversible)",
+    )
+    parser.add_argument("--profile", action="store_true", help="add a profile of resnet50's native rows")
+    parser.add_argument("--output", type=Path, default=RESULTS / "train_step.md", help="Markdown record")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        args.steps = args.steps[0] if isinstance(args.steps, list) else args.steps
+        child(args)
+        return 0
+    if min(args.repeats, args.repeats_x4) < 1:
+        parser.error("--repeats and --repeats-x4 must be at least 1")
+    if "timm" not in args.rows:
+        parser.error("the ratios need the 'timm' row")
+    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    start = time.perf_counter()
+    results: list[Result] = []
+    failures: list[str] = []
+    for model, row, steps in configurations(args.models, args.rows, args.steps, args.every_deep):
+        profiled = args.profile and model == "resnet50" and steps == "native" and row in PROFILED
+        repeats = args.repeats if steps == "native" else args.repeats_x4
+        try:
+            results.append(measure(model, row, steps, repeats, profiled))
+        except RuntimeError as error:  # keep the other rows; the record says what failed
+            failures.append(str(error).splitlines()[0] + " " + str(error).splitlines()[-1])
+            print(f"  {failures[-1]}", file=sys.stderr, flush=True)
+            continue
+        r = results[-1]
+        print(
+            f"  {model} {row:32s} {steps:6s} {r.saved / MB:7.0f} MiB {r.time:7.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    table = Table(title="one training step", caption="; ".join(targets(results)))
+    for i, header in enumerate(HEADERS):
+        table.add_column(header, justify="left" if i < 3 else "right")
+    for r in results:
+        table.add_row(*cells(r, results))
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+    command = "python benchmarks/train_step.py" + "".join(
+        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])
+    )
+    png = args.output.with_suffix(".png")
+    text = markdown(results, command, (args.repeats, args.repeats_x4), png.name, load_before, failures)
+    atomic_write_bytes(args.output, text.encode())
+    plot(results, png)
+    print(f"wrote {args.output} and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
