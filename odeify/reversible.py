@@ -10,11 +10,12 @@ increment is rounded to the lattice ([.]) before it is added:
     a_n = [h/2 F(t_n, z_n)],     z_{n+1} = 2 y_n - z_n + 2 a_n,
     b_n = [h/2 F(t_{n+1}-, z_{n+1})],     y_{n+1} = y_n + a_n + b_n.
 
-Sums of counts are exact in float64 while below 2^53 (2^(53 - bits) times the input's
-magnitude: 2^29 for fp32 inputs), so the inverse z_n = 2 y_{n+1} - z_{n+1} - 2 b_n, y_n = y_{n+1} - a_n - b_n
-rebuilds every state bit for bit, provided F returns the same bits for the same input: CPU
-kernels do; on GPU set ``torch.backends.cudnn.deterministic = True``. F runs in the input's dtype
-on z rounded to it, so its Jacobians are the ones backprop uses; only the state arithmetic is
+Sums of counts are exact in float64 while below 2^53 (the forward accepts states below 2^52
+counts: 2^(52 - bits) times the input's magnitude, 2^26 for fp32 inputs), so the inverse
+z_n = 2 y_{n+1} - z_{n+1} - 2 b_n, y_n = y_{n+1} - a_n - b_n rebuilds every state bit for bit,
+provided F returns the same bits for the same input: CPU kernels do; on GPU set
+``torch.backends.cudnn.deterministic = True``. F runs in the input's dtype on z rounded to it,
+so its Jacobians are the ones backprop uses; only the state arithmetic is
 finer than the unrolled graph's (whose output differs by its own round-off).
 
 Backward walks the points z_N, ..., z_0. At each it evaluates the fields at z_m with grad
@@ -28,14 +29,15 @@ and steps the lattice state back with the same evaluations' values. Every field 
 once in forward and once, with grad, in backward.
 
 What forward keeps, at any depth (``benchmarks/lattice_range.py`` measures the counts: for fp32
-inputs they reach about 2^32 on a random-weight resnet50 and 2^27 on the trained digits model):
+inputs, 2^31 on a random-weight resnet50, whose stages grow their input up to 2^6, and 2^27 on
+the trained digits model):
 
 - the output y_N rounded to the input's dtype, which the model keeps anyway (the next part of the
   model saves it) and which the Function saves too (the same storage, counted once);
 - y_N's rounding residual in counts, in the narrowest integer type that holds it (int8 while the
-  stage grows its input by less than about 2^5 for fp32; nothing when y_N is exact in the dtype,
+  stage grows its input by less than about 2^6 for fp32; nothing when y_N is exact in the dtype,
   as in fp64);
-- d_N = z_N - y_N in counts, as int32 while below 2^31, else float64;
+- d_N = z_N - y_N in counts, as int32 while below 2^31 (growth below about 2^6), else float64;
 - the spacing q per sample.
 
 For fp32 that is 1.25 states beside the output on the models measured (it was 4: y and z in
