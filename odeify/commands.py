@@ -26,8 +26,10 @@ from odeify.settings import DEFAULT_MODEL_PATH
 
 VERIFY_SEED = 0
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
-"""Largest max relative error ``convert --verify`` accepts: about 100x the round-off measured on the
-shipped model and the timm zoo (docs/design.md), so a real discrepancy cannot hide under it."""
+"""Largest max relative error ``convert --verify`` accepts. Measured (random non-trivial weights,
+64x64 inputs): fp32 2e-7 (digits), 8e-7 (resnet18), 1.1e-6 (resnet50); fp64 3e-15 to 4e-15. The
+limits leave about 100x (fp32) and 1e4x (fp64) for deeper models, while a wrong weight (a 0.05 shift
+in one knot bias moves the digits model's output by 1.8e-2) is far above them."""
 MANIFESTATION = ("integrator", "steps", "knots", "basis", "backward")
 
 
@@ -481,6 +483,9 @@ RECORDED = (
 )
 
 
+RECIPE_FLAGS = ("epochs", "lr", "weight_decay", "batch_size", "distill")
+
+
 def run_finetune(args: argparse.Namespace) -> int:
     """Build the model in its manifestation, then :func:`odeify.finetune.finetune` it."""
     from dataclasses import replace
@@ -512,17 +517,11 @@ def run_finetune(args: argparse.Namespace) -> int:
     args.refine_at = args.refine_at or []
     if args.deterministic:
         _deterministic()
-    recipe = replace(
-        DEFAULT_RECIPE,
-        **{
-            k: getattr(args, k)
-            for k in ("epochs", "lr", "weight_decay", "batch_size", "distill")
-            if getattr(args, k) is not None
-        },
-    )
+    given = {k: getattr(args, k) for k in RECIPE_FLAGS if getattr(args, k) is not None}
+    recipe = replace(DEFAULT_RECIPE, **given)
     processes = start_processes()
     try:
-        loaded, name = _loaded(args)
+        loaded, _ = _loaded(args)
         settings = {**_manifestation(args), "backward": _finetuning_backward(loaded, args)}
         model = odeify.retarget(loaded, **settings)
         data = open_data(args.data, model)
@@ -532,6 +531,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             _note("note: the data's classes differ from the model's: fine-tuning without distillation")
         if recipe.distill > 0:
             teacher = native_depth(loaded)
+        torch.manual_seed(args.seed)  # a new classifier's initial weights follow --seed
         _match_classes(model, data.num_classes)
         finetune(
             model,
@@ -598,7 +598,7 @@ def _fill_from_record(args: argparse.Namespace, run: dict) -> None:
         if not getattr(args, key, None) and recorded.get(key) is not None:
             setattr(args, key, recorded[key])
     recipe = run.get("recipe", {})
-    for key in ("epochs", "lr", "weight_decay", "batch_size", "distill"):
+    for key in RECIPE_FLAGS:
         if getattr(args, key) is None:
             setattr(args, key, recipe.get(key))
     for key in ("refine_at", "seed", "max_batches"):
