@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             f"fp32 inputs, lattice spacing q = 2^-{bits} of each sample's largest |input| (rounded up to",
             "a power of two). Counts are log2 of the largest |value| / q over the batch; 'growth' is log2",
             "of the largest ratio of a sample's max |output| to its max |input|. 'peak z' is the largest",
-            "z along the way. The float64 sums are exact below 2^52 counts (growth below 2^"
-            f"{52 - bits}); the residual of y_N to fp32 and d_N are kept in the narrowest integer type",
-            "that holds them (d: int32 or float64).",
+            "z along the way. The forward keeps states below 2^52 counts, where the float64 sums are",
+            f"exact (growth below 2^{52 - bits}); the residual of y_N to fp32 and d_N are kept in the",
+            "narrowest integer type that holds them (d: int32 or float64).",
             "",
             *markdown_table(HEADERS, rows, text_columns=2),
             "",

@@ -70,10 +70,6 @@ class Segment(nn.Module):
         self.module_args = module_args  # the call's arguments that are modules: index -> path
         self.runnable = fx.GraphModule(nn.Module(), _runnable_graph(body, attributes))
 
-    @property
-    def num_outputs(self) -> int:
-        return len(_output_values(self.body))
-
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.runnable(*args)
@@ -240,10 +236,6 @@ def _runnable_graph(body: fx.Graph, attributes: list[str]) -> fx.Graph:
 def _attribute(gm: fx.GraphModule, path: str) -> Any:
     owner, _, name = path.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)
-
-
-def _output_values(body: fx.Graph) -> tuple:
-    return next(n for n in body.nodes if n.op == "output").args[0]
 
 
 def _calls(gm: fx.GraphModule, node: fx.Node, kind: type[nn.Module]) -> bool:
