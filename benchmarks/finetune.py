@@ -190,9 +190,10 @@ def report(results: dict, memory: dict, source_accuracy: float, seconds: float) 
             text_columns=1,
         ),
         "",
-        "The digits model is small and shallow (runs of 4 and 3 blocks at 8x8 and 4x4): most of what a "
-        "step keeps is the stem and head, which stay discrete. The memory-free modes' savings grow with "
-        "depth (see `make demo` and benchmarks/results/adjoint_memory.md).",
+        "Each memory-free mode is set for the whole model (one `backward=` setting), so the stem, the "
+        "downsampling block and the head are recomputed in backward too: a step keeps the inputs of the "
+        "stages and of the segments between them. How this scales with depth: `make demo` (section 4) and "
+        "benchmarks/results/adjoint_memory.md.",
         "",
         "![validation accuracy per epoch](finetune.png)",
         "",
