@@ -14,6 +14,8 @@ plus the converted and the fine-tuned model as files ``odeify.load`` reads.
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -52,8 +54,22 @@ MEMORY_MODES = {  # label: manifestation settings (steps added per point)
 MEMORY_BATCH = 16
 
 
+DEMO_THREADS = 1
+"""The digits model's tensors are small: one torch thread is as fast as two, and on a busy 2-core
+machine two threads oversubscribe it (a training step measured 25x slower at a load average of 5)."""
+
+
 def run_demo(out: Path, epochs: int | None = None) -> Path:
     """Run the tour, write ``out/report.md`` and its files; returns the report's path."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(DEMO_THREADS)
+    try:
+        return _tour(out, epochs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _tour(out: Path, epochs: int | None) -> Path:
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     recipe = replace(DEFAULT_RECIPE, epochs=epochs) if epochs else DEFAULT_RECIPE
@@ -80,13 +96,21 @@ def run_demo(out: Path, epochs: int | None = None) -> Path:
             bar.set_postfix_str(label)
             sections += step()
     sections += [
-        f"Total time: {time.perf_counter() - started:.0f} s with {torch.get_num_threads()} torch thread(s). "
-        "Reproduce with `make demo` or `odeify demo`.",
+        f"Total time: {time.perf_counter() - started:.0f} s. Machine: {_machine()}. Reproduce with "
+        "`make demo` or `odeify demo`.",
         "",
     ]
     report = out / "report.md"
     atomic_write_bytes(report, "\n".join(sections).encode())
     return report
+
+
+def _machine() -> str:
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return (
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__} "
+        f"with {torch.get_num_threads()} thread(s), Python {platform.python_version()}, load average {load}"
+    )
 
 
 def _conversion(source: torch.nn.Module, native: torch.nn.Module, test: DataLoader, out: Path) -> list[str]:
