@@ -28,7 +28,7 @@ STEPS = 3
 
 def _model() -> nn.Module:
     """The digits model as reversible Heun, 8 steps per stage, trained with backward='reversible'."""
-    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).double(), integrator="reversible_heun", steps=2.0)
+    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).double(), integrator="reversible_heun", steps="x2")
     return odeify.set_backward(gm, "reversible").train()
 
 
