@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.errors import TraceError
+from odeify.passes.contract import PassSpec, graph_pass
 
 TRACE_THROUGH: tuple[type[nn.Module], ...] = (
     nn.Conv1d,
@@ -106,11 +107,24 @@ def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, str]
     return found
 
 
+ANNOTATE_SHAPES = PassSpec(
+    "annotate_shapes", preserves_computation=True, modifies_graph=False, ensures=frozenset({"shapes"})
+)
+
+
+@graph_pass(ANNOTATE_SHAPES)
 def annotate_shapes(gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
     """Record ``node.meta["tensor_meta"]`` for every node, running the graph on meta tensors.
 
     Meta tensors carry shapes and dtypes but no data, so a resnet152 costs no real forward and no
     copy of its weights. An input the model rejects raises a :class:`TraceError` naming the node.
+
+    Why not torch's own propagators: ``torch.fx.passes.shape_prop.ShapeProp`` runs the real
+    forward (a full resnet152 pass on real weights); ``FakeTensorProp`` needs the module's weights
+    converted to fake tensors first, which meant a deep copy of the model (0.9 s against 0.34 s
+    here for resnet152's analysis) and fails on leaves that branch on values, which this
+    interpreter runs for real on zeros instead. The metadata format is ShapeProp's
+    (``_extract_tensor_metadata``), so ``node.meta["tensor_meta"]`` reads the same either way.
     """
     if dtype is None:
         dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
@@ -137,6 +151,18 @@ def _to_meta(value):
     return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
 
 
+def _keeps_shape(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """A norm layer (with timm's act/drop parts) applied to a tensor with its number of channels.
+
+    Its output has the input's shape and dtype; answering directly skips torch's meta batch_norm,
+    a Python decomposition that costs more than the rest of a small model's annotation.
+    """
+    if not isinstance(module, nn.modules.batchnorm._NormBase) or kwargs or len(args) != 1:
+        return False
+    x = args[0]
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == module.num_features
+
+
 class _MetaShapeProp(fx.Interpreter):
     """Runs a graph on meta tensors, swapping weights for meta copies as nodes read them.
 
@@ -161,6 +187,8 @@ class _MetaShapeProp(fx.Interpreter):
         module = self.fetch_attr(target)
         if self.real:
             return module(*args, **kwargs)
+        if _keeps_shape(module, args, kwargs):
+            return torch.empty_like(args[0])
         tensors = {name: _to_meta(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
         return torch.func.functional_call(module, tensors, tuple(args), kwargs)
 

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from odeify.passes.graph_utils import fetch_attr
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from odeify.errors import ConfigError
+from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.graph_utils import fetch_attr, set_attr
 
-PRESERVES_COMPUTATION = True
+FOLD_BATCHNORM = PassSpec(
+    "fold_batchnorm",
+    preserves_computation=True,
+    modifies_graph=True,
+    requires=frozenset({"shapes"}),
+    ensures=frozenset({"bn_folded"}),
+    invalidates=frozenset({"blocks", "runs"}),  # the erased BN nodes may be named by block tags
+)
 
 _CONVS = {torch.conv1d, torch.conv2d, torch.conv3d}
 
@@ -30,6 +39,7 @@ class FoldedNorm(nn.Module):
         self.act = act if act is not None else nn.Identity()
 
 
+@graph_pass(FOLD_BATCHNORM)
 def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
     """Fold every BatchNorm of ``gm`` in place (the caller passes a copy) and return it."""
     for node in list(gm.graph.nodes):
@@ -38,15 +48,16 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         bn = gm.get_submodule(node.target)
         if not isinstance(bn, _BatchNorm):
             continue
-        scale, shift = _affine_of(bn, node.target)
+        _check_running_stats(bn, node.target)
         producer = node.args[0]
-        folded_into_conv = _fold_into_conv(gm, producer, scale, shift)
+        folded_into_conv = _fold_into_conv(gm, producer, bn)
         remainder = FoldedNorm(getattr(bn, "drop", None), getattr(bn, "act", None))
-        _replace_submodule(gm, node.target, remainder)
+        set_attr(gm, node.target, remainder)
         with gm.graph.inserting_before(node):
             out = producer
             steps: list[fx.Node] = []  # the data nodes that replace the BN, all of its shape
             if not folded_into_conv:
+                scale, shift = _affine_of(bn)
                 view = (-1,) + (1,) * (len(node.meta["tensor_meta"].shape) - 2)
                 remainder.register_parameter("scale", nn.Parameter(scale.reshape(view)))
                 remainder.register_parameter("shift", nn.Parameter(shift.reshape(view)))
@@ -62,28 +73,34 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
             step.meta["tensor_meta"] = node.meta.get("tensor_meta")
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 
-def _affine_of(bn: _BatchNorm, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eval-mode BN as ``x * scale + shift``."""
+def _check_running_stats(bn: _BatchNorm, name: str) -> None:
     if bn.running_mean is None or bn.running_var is None:
         raise ConfigError(
             f"BatchNorm '{name}' has no running statistics (track_running_stats=False), so it cannot be "
             "folded into a fixed affine map. Convert a model whose BatchNorms track running statistics."
         )
+
+
+def _affine_of(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eval-mode BN as ``x * scale + shift``: what it fuses into a 1x1 conv whose weight is all ones."""
+    ones = torch.ones_like(bn.running_var).unsqueeze(1)  # (C, 1): a conv weight, out channels first
     with torch.no_grad():
-        inv_std = torch.rsqrt(bn.running_var + bn.eps)
-        weight = bn.weight if bn.weight is not None else torch.ones_like(inv_std)
-        bias = bn.bias if bn.bias is not None else torch.zeros_like(inv_std)
-        scale = weight * inv_std
-        return scale.detach().clone(), (bias - bn.running_mean * scale).detach().clone()
+        scale, shift = fuse_conv_bn_weights(
+            ones, None, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias
+        )
+    return scale.detach().flatten(), shift.detach()
 
 
-def _fold_into_conv(gm: fx.GraphModule, producer, scale: torch.Tensor, shift: torch.Tensor) -> bool:
-    """Scale the conv's weight and bias when the BN reads a conv with a plain weight used only there."""
+def _fold_into_conv(gm: fx.GraphModule, producer, bn: _BatchNorm) -> bool:
+    """Fold the BN into the conv it reads when that conv has a plain weight used only there.
+
+    The arithmetic is torch's ``fuse_conv_bn_weights``; torch's graph-level ``fuse`` is not used
+    because it matches ``nn.Conv2d``/``nn.BatchNorm2d`` modules only, and here convs are traced into
+    functional calls and timm's ``BatchNormAct2d`` carries act/drop parts that must stay.
+    """
     if not (isinstance(producer, fx.Node) and producer.op == "call_function" and producer.target in _CONVS):
         return False
     weight_node = producer.args[1]
@@ -93,35 +110,25 @@ def _fold_into_conv(gm: fx.GraphModule, producer, scale: torch.Tensor, shift: to
     if len(weight_node.users) != 1:
         return False
     weight = fetch_attr(gm, weight_node.target)
+    bias = fetch_attr(gm, bias_node.target) if isinstance(bias_node, fx.Node) else None
     with torch.no_grad():
-        view = (-1,) + (1,) * (weight.dim() - 1)
-        new_weight = weight * scale.reshape(view).to(weight.dtype)
-        if isinstance(bias_node, fx.Node):
-            new_bias = fetch_attr(gm, bias_node.target) * scale + shift
-        else:
-            new_bias = shift.to(weight.dtype)
-    owner_path, _, attr = weight_node.target.rpartition(".")
-    owner = gm.get_submodule(owner_path) if owner_path else gm
-    setattr(owner, attr, nn.Parameter(new_weight, requires_grad=weight.requires_grad))
+        new_weight, new_bias = fuse_conv_bn_weights(
+            weight, bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias
+        )
+    new_bias.requires_grad_(weight.requires_grad)  # a new bias trains with its conv
+    set_attr(gm, weight_node.target, new_weight)
     if isinstance(bias_node, fx.Node):
-        b_owner_path, _, b_attr = bias_node.target.rpartition(".")
-        b_owner = gm.get_submodule(b_owner_path) if b_owner_path else gm
-        setattr(b_owner, b_attr, nn.Parameter(new_bias))
+        set_attr(gm, bias_node.target, new_bias)
+        return True
+    owner_path = weight_node.target.rpartition(".")[0]
+    bias_target = f"{owner_path}.bias" if owner_path else "bias"
+    set_attr(gm, bias_target, new_bias)
+    with gm.graph.inserting_before(producer):
+        bias_node = gm.graph.get_attr(bias_target)
+    args = list(producer.args)
+    if len(args) > 2:
+        args[2] = bias_node
+        producer.args = tuple(args)
     else:
-        bias_target = f"{owner_path}.bias" if owner_path else "bias"
-        owner.register_parameter("bias", nn.Parameter(new_bias))
-        with gm.graph.inserting_before(producer):
-            bias_node = gm.graph.get_attr(bias_target)
-        args = list(producer.args)
-        if len(args) > 2:
-            args[2] = bias_node
-            producer.args = tuple(args)
-        else:
-            producer.kwargs = {**producer.kwargs, "bias": bias_node}
+        producer.kwargs = {**producer.kwargs, "bias": bias_node}
     return True
-
-
-def _replace_submodule(gm: fx.GraphModule, target: str, module: nn.Module) -> None:
-    parent_path, _, name = target.rpartition(".")
-    parent = gm.get_submodule(parent_path) if parent_path else gm
-    setattr(parent, name, module)

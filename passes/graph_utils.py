@@ -1,9 +1,11 @@
-"""Small helpers over fx graphs shared by the passes: data edges, node kinds, parameter lookups."""
+"""Small helpers over fx graphs shared by the passes: data edges, node kinds, parameter lookups,
+and the one copy of each small path/name utility (unique names, common prefixes, dotted setattr)."""
 
 from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Container, Sequence
 
 import networkx as nx
 import torch
@@ -137,11 +139,38 @@ def _is_timm_activation(module: nn.Module) -> bool:
     return from_timm and not any(True for _ in module.parameters())
 
 
-def skip_identity(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node:
-    """Follow ``nn.Identity`` calls back to the node they pass through."""
-    while node.op == "call_module" and isinstance(modules[node.target], nn.Identity):
+def identity_sources(node: fx.Node, modules: dict[str, nn.Module]) -> list[fx.Node]:
+    """``node`` and every node it passes through ``nn.Identity`` calls back to, nearest first.
+
+    A residual shortcut ``shortcut(x)`` with ``shortcut = nn.Identity()`` is ``x`` itself; the fork
+    may itself be an ``nn.Identity`` call (ConvNeXt's first stage has an identity ``downsample``),
+    so a caller asks whether the fork is *on* this chain, not whether it is at the chain's end.
+    """
+    chain = [node]
+    while node.op == "call_module" and isinstance(modules[node.target], nn.Identity) and node.args:
         node = node.args[0]
-    return node
+        chain.append(node)
+    return chain
+
+
+PASS_THROUGH_MODULES: tuple[type[nn.Module], ...] = (nn.Identity, nn.modules.dropout._DropoutNd)
+"""Modules that are the identity in eval mode and a random mask at most in train mode (plus timm's
+``DropPath``): timm builds ``nn.Identity`` or nothing where such a module's rate is 0."""
+
+
+def is_pass_through(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """A single-user call of an identity/dropout/DropPath module on one tensor.
+
+    Blocks that differ only in such calls compute the same function in eval mode; a node with more
+    than one user is not treated so (in train mode each use would need its own random draw).
+    """
+    if node.op != "call_module" or len(node.args) != 1 or node.kwargs or len(node.users) != 1:
+        return False
+    if not isinstance(node.args[0], fx.Node):
+        return False
+    from timm.layers import DropPath
+
+    return isinstance(modules[node.target], (*PASS_THROUGH_MODULES, DropPath))
 
 
 def node_tensors(node: fx.Node, gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
@@ -156,12 +185,45 @@ def node_tensors(node: fx.Node, gm: fx.GraphModule) -> list[tuple[str, torch.Ten
     return []
 
 
-def fetch_attr(gm: nn.Module, target: str):
+def fetch_attr(root: nn.Module, target: str):
     """``getattr`` along a dotted path."""
-    obj = gm
+    obj = root
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def owner_of(root: nn.Module, target: str) -> tuple[nn.Module, str]:
+    """The module that holds a dotted path's last attribute, and that attribute's name."""
+    owner_path, _, name = target.rpartition(".")
+    return root.get_submodule(owner_path), name
+
+
+def set_attr(root: nn.Module, target: str, value: object) -> None:
+    """``setattr`` along a dotted path ('layer1.0.conv1.weight')."""
+    owner, name = owner_of(root, target)
+    setattr(owner, name, value)
+
+
+def unique_name(base: str, taken: Container[str], pattern: str = "{base}_{n}") -> str:
+    """``base``, or the first ``pattern`` with n = 2, 3, ... that is not ``taken``."""
+    candidate, n = base, 2
+    while candidate in taken:
+        candidate, n = pattern.format(base=base, n=n), n + 1
+    return candidate
+
+
+def common_prefix(paths: Sequence[Sequence[str]]) -> list[str]:
+    """The longest list of leading parts that every path shares (module paths split on '.')."""
+    if not paths:
+        return []
+    prefix = list(paths[0])
+    for path in paths[1:]:
+        length = 0
+        while length < min(len(prefix), len(path)) and prefix[length] == path[length]:
+            length += 1
+        prefix = prefix[:length]
+    return prefix
 
 
 _NUMBER = re.compile(r"\d+\.\d+(e-?\d+)?")

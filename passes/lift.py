@@ -3,8 +3,10 @@
 The stage's template is the first block's computation; its knots are the L blocks' tensors
 stacked per template slot, and float literals that differ between blocks (NF-ResNet's ``beta``)
 become knots too. Modules that differ only in float settings (growing DropPath rates) are kept
-per block. At native depth with Euler the stage reproduces the run exactly, so this pass
-preserves computation.
+per block, and so are pass-through calls (``DropPath``, dropout, ``nn.Identity``) that only some
+blocks make: the template calls a module wherever any block does, and a block without one gets
+``nn.Identity`` there. At native depth with Euler the stage reproduces the run exactly, so this
+pass preserves computation.
 """
 
 from __future__ import annotations
@@ -12,19 +14,46 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from odeify.ir import Slot, StageIR
-from odeify.passes.graph_utils import fetch_attr, skip_identity
-from odeify.passes.runs import block_node_list
+from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.graph_utils import fetch_attr, identity_sources, owner_of, unique_name
+from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
 from odeify.plan import Run
 
-PRESERVES_COMPUTATION = True
+LIFT_RUNS = PassSpec(
+    "lift_runs",
+    preserves_computation=True,
+    modifies_graph=True,
+    requires=frozenset({"runs"}),
+    ensures=frozenset({"lifted"}),
+    invalidates=frozenset({"blocks", "runs"}),  # the runs' nodes are replaced by stage calls
+)
 
-StageFactory = Callable[[Run, dict], StageIR]
+
+@dataclass(frozen=True)
+class RunParts:
+    """What lifting extracts from one run, for the caller to build its stage from.
+
+    ``template`` computes one block, ``(x, *slot tensors) -> (branch f(x), block output)``;
+    ``tensors[slot.name]`` stacks the blocks' tensors for a slot on a leading axis (one tensor for a
+    ``shared`` slot); ``variants[key]`` lists each block's own module where blocks differ in one
+    (DropPath rates, a pass-through call a block lacks), keyed by the template module path with
+    '.' replaced by '__'.
+    """
+
+    template: fx.GraphModule
+    slots: list[Slot]
+    tensors: dict[str, torch.Tensor]
+    variants: dict[str, list[nn.Module]]
+
+
+StageFactory = Callable[[Run, RunParts], StageIR]
 
 
 class NotLiftable(Exception):
@@ -36,6 +65,7 @@ def stage_attribute(run: Run) -> str:
     return run.name.replace(".", "_") + "_ode"
 
 
+@graph_pass(LIFT_RUNS)
 def lift_runs(
     gm: fx.GraphModule, runs: Sequence[Run], make_stage: StageFactory
 ) -> tuple[fx.GraphModule, dict[str, str]]:
@@ -57,8 +87,6 @@ def lift_runs(
         call = _replace_run(gm, run, stage_attribute(run), stage)
         renamed[run.blocks[-1].output] = call.name
     prune_unused_attributes(gm)
-    gm.graph.lint()
-    gm.recompile()
     return gm, skipped
 
 
@@ -76,17 +104,24 @@ def _follow_renames(run: Run, renamed: dict[str, str]) -> Run:
     return dataclasses.replace(run, blocks=(dataclasses.replace(first, fork=fork), *run.blocks[1:]))
 
 
-def extract_run(gm: fx.GraphModule, run: Run) -> dict:
-    """Template graph, slots, stacked tensors and per-block module variants of one run."""
+def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
+    """Template graph, slots, stacked tensors and per-block module variants of one run.
+
+    The blocks are walked in step over their core nodes (pass-through calls skipped, as the runs
+    analysis compares them); each block's pass-through calls are put back on the edge they sit on.
+    """
     nodes = {n.name: n for n in gm.graph.nodes}
-    lists = [block_node_list(b, nodes) for b in run.blocks]
+    modules = dict(gm.named_modules())
+    members = [{n.name for n in block_node_list(b, nodes)} for b in run.blocks]
+    cores = [core_nodes(b, nodes, modules) for b in run.blocks]
+    if len({len(core) for core in cores}) != 1:
+        raise NotLiftable("the blocks' graphs differ in size; they cannot share one template")
     forks = [nodes[b.fork] for b in run.blocks]
     scopes = [b.scope for b in run.blocks]
-    modules = dict(gm.named_modules())
 
     graph = fx.Graph()
     x = graph.placeholder("x")
-    env: list[dict[fx.Node, object]] = [{fork: x} for fork in forks]
+    env: list[dict[fx.Node | tuple, object]] = [{fork: x} for fork in forks]
     slots: list[Slot] = []
     tensors: dict[str, torch.Tensor] = {}
     slot_nodes: dict[str, fx.Node] = {}
@@ -94,7 +129,7 @@ def extract_run(gm: fx.GraphModule, run: Run) -> dict:
     variants: dict[str, list[nn.Module]] = {}
 
     def new_slot(base: str, kind: str, values: list[torch.Tensor]) -> fx.Node:
-        name = _unique(base.replace(".", "_"), tensors)
+        name = unique_name(base.replace(".", "_"), tensors)
         slots.append(Slot(name, kind))
         tensors[name] = (
             values[0].detach().clone() if kind == "shared" else torch.stack([v.detach() for v in values])
@@ -105,21 +140,51 @@ def extract_run(gm: fx.GraphModule, run: Run) -> dict:
         slot_nodes[name] = placeholder
         return placeholder
 
+    def add_module(peers: list[fx.Node | None]) -> str:
+        """The template path for one module call of every block (None: the block makes no such call)."""
+        owner = next(i for i, p in enumerate(peers) if p is not None)
+        peer_modules = [modules[p.target] if p is not None else nn.Identity() for p in peers]
+        if any(True for _ in peer_modules[owner].parameters()):
+            raise NotLiftable(
+                f"module '{peers[owner].target}' ({type(peer_modules[owner]).__name__}) has parameters but "
+                "is an fx leaf, so its weights cannot be interpolated; fold it or trace through it"
+            )
+        target = _relative(peers[owner].target, scopes[owner])
+        if template_modules.get(target, peer_modules[owner]) is not peer_modules[owner]:
+            target = unique_name(target, template_modules)
+        template_modules[target] = peer_modules[owner]
+        if len({repr(m) for m in peer_modules}) > 1:
+            variants[target.replace(".", "__")] = peer_modules
+        return target
+
+    def lift_node(values: list[fx.Node]):
+        first = values[0]
+        if first in env[0]:
+            return env[0][first]
+        if first.op == "get_attr":
+            key = ("attr", first.name)
+            if key not in env[0]:
+                tensors_k = [fetch_attr(gm, v.target) for v in values]
+                relative = _relative(first.target, scopes[0])
+                env[0][key] = _tensor_slot(new_slot, relative, tensors_k)
+                for e, v in zip(env[1:], values[1:], strict=True):
+                    e[("attr", v.name)] = env[0][key]
+            return env[0][key]
+        raise NotLiftable(f"block reads '{first.name}', computed outside the block")
+
     def lift_arg(values: list, path: str):
         first = values[0]
         if isinstance(first, fx.Node):
-            if first in env[0]:
-                return env[0][first]
-            if first.op == "get_attr":
-                key = ("attr", first.name)
-                if key not in env[0]:
-                    tensors_k = [fetch_attr(gm, v.target) for v in values]
-                    relative = _relative(first.target, scopes[0])
-                    env[0][key] = _tensor_slot(new_slot, relative, tensors_k)
-                    for e, v in zip(env[1:], values[1:], strict=True):
-                        e[("attr", v.name)] = env[0][key]
-                return env[0][key]
-            raise NotLiftable(f"block reads '{first.name}', computed outside the block")
+            sources = [pass_through_source(v, m, modules) for v, m in zip(values, members, strict=True)]
+            value = lift_node([source for source, _ in sources])
+            chains = [chain for _, chain in sources]
+            for depth in range(max(len(chain) for chain in chains)):
+                peers = [chain[depth] if depth < len(chain) else None for chain in chains]
+                owner = next(i for i, p in enumerate(peers) if p is not None)
+                target = add_module(peers)
+                name = _local_name(peers[owner], scopes[owner])
+                value = graph.create_node("call_module", target, (value,), name=name)
+            return value
         if isinstance(first, (tuple, list)):
             return type(first)(lift_arg([v[i] for v in values], f"{path}.{i}") for i in range(len(first)))
         if isinstance(first, dict):
@@ -131,34 +196,23 @@ def extract_run(gm: fx.GraphModule, run: Run) -> dict:
 
     join = nodes[run.blocks[0].join]
     branch_operand = None
-    for position, node in enumerate(lists[0]):
-        peers = [lst[position] for lst in lists]
+    for position, node in enumerate(cores[0]):
+        peers = [core[position] for core in cores]
         if node is join:
-            operands = [a for a in node.args if isinstance(a, fx.Node)]
-            branch = next(a for a in operands if skip_identity(a, modules) is not forks[0])
-            branch_operand = env[0][branch]
+            shortcut = next(i for i, a in enumerate(node.args) if forks[0] in identity_sources(a, modules))
+            branch = 1 - shortcut
+            branch_operand = lift_arg([p.args[branch] for p in peers], f"{node.name}.{branch}")
             new = graph.call_function(operator.add, (x, branch_operand))  # out of place, even for iadd
         else:
-            target = node.target
-            if node.op == "call_module":
-                target = _relative(node.target, scopes[0])
-                peer_modules = [modules[p.target] for p in peers]
-                if any(True for _ in peer_modules[0].parameters()):
-                    raise NotLiftable(
-                        f"module '{node.target}' ({type(peer_modules[0]).__name__}) has parameters but is an "
-                        "fx leaf, so its weights cannot be interpolated; fold it or trace through it"
-                    )
-                template_modules[target] = peer_modules[0]
-                if len({repr(m) for m in peer_modules}) > 1:
-                    variants[target.replace(".", "__")] = peer_modules
+            target = add_module(peers) if node.op == "call_module" else node.target
             args = lift_arg([p.args for p in peers], f"{node.name}")
             kwargs = lift_arg([p.kwargs for p in peers], f"{node.name}")
             new = graph.create_node(node.op, target, args, kwargs, name=_local_name(node, scopes[0]))
         for e, p in zip(env, peers, strict=True):
             e[p] = new
-    graph.output((branch_operand, env[0][lists[0][-1]]))
+    graph.output((branch_operand, env[0][cores[0][-1]]))
     template = fx.GraphModule(template_modules, graph, f"{stage_attribute(run)}_template")
-    return {"template": template, "slots": slots, "tensors": tensors, "variants": variants}
+    return RunParts(template, slots, tensors, variants)
 
 
 def _tensor_slot(new_slot, relative: str, values: list[torch.Tensor]) -> fx.Node:
@@ -179,13 +233,6 @@ def _local_name(node: fx.Node, scope: str) -> str:
 
 def _relative(target: str, scope: str) -> str:
     return target[len(scope) + 1 :] if scope and target.startswith(scope + ".") else target
-
-
-def _unique(name: str, taken: dict) -> str:
-    candidate, n = name, 2
-    while candidate in taken:
-        candidate, n = f"{name}_{n}", n + 1
-    return candidate
 
 
 def _float_dtype(gm: fx.GraphModule) -> torch.dtype:
@@ -238,8 +285,7 @@ def prune_unused_attributes(gm: fx.GraphModule) -> None:
         gm.named_buffers(remove_duplicate=False)
     ):
         if not referenced(name):
-            owner_path, _, attr = name.rpartition(".")
-            owner = gm.get_submodule(owner_path) if owner_path else gm
+            owner, attr = owner_of(gm, name)
             if attr in owner._parameters:
                 del owner._parameters[attr]
             elif attr in owner._buffers:

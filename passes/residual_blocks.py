@@ -2,32 +2,44 @@
 
 A block is a *join* (an add of two same-shape tensors) and its *fork*, the join's immediate
 dominator among data nodes. The region between them must be single-entry/single-exit, apart from
-side chains that never reach the output (``torch._assert``). Results go to ``node.meta["odeify"]``.
+side chains that never reach the output (``torch._assert``). An add inside another block's branch
+is part of that branch, not a block of its own (ConvNeXt-V2's GlobalResponseNorm computes
+``x + f(x)`` inside every block). Results go to each node's :class:`odeify.meta.NodeTag`.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import networkx as nx
 import torch.fx as fx
+
+from odeify.meta import tag, untag
+from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.graph_utils import (
     activation_of,
+    common_prefix,
     data_graph,
     data_nodes,
+    identity_sources,
     is_add_join,
     live_nodes,
     node_tensors,
-    skip_identity,
     weight_expressions,
 )
-
 from odeify.plan import Block
 from odeify.tracing import node_shape
 
-META_KEY = "odeify"
+FIND_BLOCKS = PassSpec(
+    "find_blocks",
+    preserves_computation=True,
+    modifies_graph=False,
+    requires=frozenset({"shapes"}),
+    ensures=frozenset({"blocks"}),
+)
 
 
+@graph_pass(FIND_BLOCKS)
 def find_blocks(gm: fx.GraphModule) -> list[Block]:
     """Every residual block in ``gm`` (which must carry ``tensor_meta``), in graph order."""
     graph = gm.graph
@@ -54,7 +66,7 @@ def find_blocks(gm: fx.GraphModule) -> list[Block]:
         if not _single_entry_exit(region, fork, join, nodes, live, data):
             continue
         region |= {w.name for name in region for w in weight_expressions(nodes[name], data)}
-        shortcut_is_fork = any(skip_identity(a, modules) is fork for a in operands)
+        shortcut_is_fork = any(fork in identity_sources(a, modules) for a in operands)
         output, activation = _closing_activation(join, modules)
         branch = tuple(sorted(region, key=order.__getitem__))
         blocks.append(
@@ -73,8 +85,16 @@ def find_blocks(gm: fx.GraphModule) -> list[Block]:
                 scope=_scope(branch, nodes),
             )
         )
+    blocks = _outermost(blocks)
     _annotate(graph, blocks)
     return blocks
+
+
+def _outermost(blocks: list[Block]) -> list[Block]:
+    """The blocks whose join lies in no other block's branch, renumbered in order."""
+    inside = {name for block in blocks for name in block.nodes}
+    kept = [block for block in blocks if block.join not in inside]
+    return [dataclasses.replace(block, index=i) for i, block in enumerate(kept)]
 
 
 def _region(dg: nx.DiGraph, fork: str, join: str) -> set[str]:
@@ -123,7 +143,7 @@ def _scope(branch: tuple[str, ...], nodes: dict[str, fx.Node]) -> str:
     for name in branch:
         node = nodes[name]
         paths.extend(inp.target.split(".") for inp in _own_attributes(node))
-    return ".".join(os.path.commonprefix(paths)) if paths else ""
+    return ".".join(common_prefix(paths))
 
 
 def _own_attributes(node: fx.Node) -> list[fx.Node]:
@@ -134,12 +154,10 @@ def _own_attributes(node: fx.Node) -> list[fx.Node]:
 
 def _annotate(graph: fx.Graph, blocks: list[Block]) -> None:
     for node in graph.nodes:
-        node.meta.pop(META_KEY, None)
+        untag(node)
     by_name = {n.name: n for n in graph.nodes}
     for block in blocks:
         for name in block.nodes:
-            by_name[name].meta.setdefault(META_KEY, {})["block"] = block.index
-            by_name[name].meta[META_KEY]["role"] = "branch"
+            tag(by_name[name], block=block.index, role="branch")
         for role, name in (("join", block.join), ("output", block.output)):
-            meta = by_name[name].meta.setdefault(META_KEY, {})
-            meta.update(block=block.index, role=role)
+            tag(by_name[name], block=block.index, role=role)

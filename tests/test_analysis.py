@@ -8,6 +8,7 @@ it must reproduce the value captured at the run's last output bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import NamedTuple
 
@@ -15,17 +16,17 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from odeify.passes.graph_utils import live_nodes
-from odeify.passes.residual_blocks import META_KEY, find_blocks
-from odeify.passes.runs import block_node_list
 from timm.layers import DropPath
 from torch import nn
 
 import odeify
 from odeify.analysis import analyze_graph, trace_and_annotate
 from odeify.errors import ModelLoadError, NoResidualBlocksError, TraceError
+from odeify.meta import NodeTag, node_tag
+from odeify.passes.graph_utils import live_nodes
+from odeify.passes.residual_blocks import find_blocks
+from odeify.passes.runs import block_node_list
 from odeify.plan import Plan, Run
-from odeify.tracing import node_shape
 
 # --- helpers ---------------------------------------------------------------------------------------
 
@@ -115,7 +116,9 @@ def analyzed(model: nn.Module, shape: tuple[int, ...] = (1, 3, 8, 8)) -> tuple[f
 
 
 def meta(gm: fx.GraphModule, name: str) -> dict:
-    return next(n for n in gm.graph.nodes if n.name == name).meta.get(META_KEY, {})
+    """The set fields of a node's tag."""
+    node_meta = node_tag(next(n for n in gm.graph.nodes if n.name == name))
+    return {key: value for key, value in dataclasses.asdict(node_meta).items() if value is not None}
 
 
 # --- hand-written modules, one per rule ---------------------------------------------------------------
@@ -200,11 +203,12 @@ class InnerTapBlock(PostBlock):
 
 
 class DropPathBlock(PostBlock):
-    """timm's pattern: no DropPath module at all where the block's drop rate is 0."""
+    """timm's patterns: where the block's drop rate is 0, no DropPath module at all (ResNet) or an
+    ``nn.Identity`` in its place (ConvNeXt, ByobNet)."""
 
-    def __init__(self, c: int, rate: float, act: type[nn.Module] = nn.ReLU) -> None:
+    def __init__(self, c: int, rate: float, act: type[nn.Module] = nn.ReLU, zero: str = "none") -> None:
         super().__init__(c)
-        self.drop_path = DropPath(rate) if rate > 0 else None
+        self.drop_path = DropPath(rate) if rate > 0 else (nn.Identity() if zero == "identity" else None)
         self.act = act()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -294,7 +298,7 @@ def test_identity_block_post_activation() -> None:
             assert meta(gm, name) == {"block": block.index, "role": "branch", "run": "blocks"}
         assert meta(gm, block.join) == {"block": block.index, "role": "join", "run": "blocks"}
         assert meta(gm, block.output) == {"block": block.index, "role": "output", "run": "blocks"}
-    annotated = {n.name for n in gm.graph.nodes if META_KEY in n.meta}
+    annotated = {n.name for n in gm.graph.nodes if node_tag(n) != NodeTag()}
     assert plan.blocks[0].fork not in annotated and "x" not in annotated  # the stem is no block
     check_runs_extract_exactly(model, (2, 3, 8, 8))
 
@@ -377,39 +381,29 @@ def test_projection_separates_two_runs() -> None:
 
 
 def _drop_paths(gm: fx.GraphModule) -> list[DropPath]:
-    return [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module" and "drop" in n.name]
+    modules = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    return [m for m in modules if isinstance(m, DropPath)]
 
 
-def test_block_without_drop_path_joins_its_neighbours(image) -> None:
-    """A rate-0 block has no DropPath; the analysis gives it a no-op DropPath(0.) so the run lines up."""
-    model = _seeded(Net(DropPathBlock(8, 0.0), DropPathBlock(8, 0.1), DropPathBlock(8, 0.2)))
-    gm, plan = analyzed(model)
-    assert plan.run_lengths == [3]
-    assert [m.drop_prob for m in _drop_paths(gm)] == [0.0, 0.1, 0.2]
-    assert model.blocks[0].drop_path is None  # the user's model is left alone
-    first = plan.runs[0].blocks[0]
-    inserted = next(n for n in gm.graph.nodes if n.op == "call_module" and "drop" in n.name)
-    assert inserted.name in first.nodes
-    assert meta(gm, inserted.name) == {"block": 0, "role": "branch", "run": "blocks"}
-    assert node_shape(inserted) == first.out_shape
-    gm.graph.lint()
-    # The inserted module changes nothing, in train mode either (it draws no random numbers).
-    x = image((2, 3, 8, 8))
-    model.train()
-    gm.train()
+@pytest.mark.parametrize("zero", ["none", "identity"])
+def test_rate_zero_block_joins_its_neighbours(zero: str) -> None:
+    """A rate-0 block without DropPath (or with nn.Identity) is in the run; the graph is not touched."""
+    model = _seeded(Net(*(DropPathBlock(8, rate, zero=zero) for rate in (0.0, 0.1, 0.2))))
     with torch.no_grad():
-        torch.manual_seed(3)
-        eager = model(x)
-        torch.manual_seed(3)
-        assert (gm(x) - eager).abs().max().item() == 0.0
+        gm = trace_and_annotate(model, (1, 3, 8, 8))
+        code, modules = gm.code, [name for name, _ in gm.named_modules()]
+        plan = analyze_graph(gm, "Net", (1, 3, 8, 8))
+    assert plan.run_lengths == [3]
+    assert (gm.code, [name for name, _ in gm.named_modules()]) == (code, modules)  # analysis is read-only
+    assert [m.drop_prob for m in _drop_paths(gm)] == [0.1, 0.2]
     check_runs_extract_exactly(model, (2, 3, 8, 8))
 
 
-def test_drop_path_alignment_is_undone_when_blocks_still_differ() -> None:
+def test_blocks_that_differ_beyond_drop_path_stay_apart() -> None:
     model = _seeded(Net(DropPathBlock(8, 0.0), DropPathBlock(8, 0.1, act=nn.SiLU)))
     gm, plan = analyzed(model)
     assert plan.run_lengths == [1, 1]
-    assert [m.drop_prob for m in _drop_paths(gm)] == [0.1]  # no DropPath(0.) left behind
+    assert [m.drop_prob for m in _drop_paths(gm)] == [0.1]
     assert plan.runs[0].blocks[0] == plan.blocks[0]
     check_runs_extract_exactly(model, (2, 3, 8, 8))
 
