@@ -4,16 +4,20 @@ The picture answers "what will become an ODE stage": run members sit in a ``clus
 subgraph labelled with the run name and block count, blocks that stay discrete are shaded, and
 each residual skip (fork -> join) is dashed. Parameter reads (``get_attr``) are left out; the
 consuming node names the module they belong to.
+
+Why not ``torch.fx.passes.graph_drawer.FxGraphDrawer``: it needs ``pydot`` (not a dependency of
+odeify) to build the graph, has no notion of clusters, so runs and stages cannot be grouped, and
+labels every node with its full target, args and tensor metadata, which makes a resnet152 picture
+unreadable. The DOT text here is a few lines of string formatting with no extra dependency.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
+from odeify.meta import node_tag
 from odeify.plan import Plan
 from odeify.tracing import node_shape
-
-META_KEY = "odeify"
 
 
 def plan_to_dot(gm: fx.GraphModule, plan: Plan) -> str:
@@ -24,7 +28,7 @@ def plan_to_dot(gm: fx.GraphModule, plan: Plan) -> str:
     members: dict[str, list[fx.Node]] = {run.name: [] for run in plan.runs}
     outside: list[fx.Node] = []
     for node in drawn:
-        run = node.meta.get(META_KEY, {}).get("run")
+        run = node_tag(node).run
         (members[run] if run in members else outside).append(node)
 
     lines = [
@@ -34,7 +38,7 @@ def plan_to_dot(gm: fx.GraphModule, plan: Plan) -> str:
         '  edge [color="#555555"];',
     ]
     for node in outside:
-        block = node.meta.get(META_KEY, {}).get("block")
+        block = node_tag(node).block
         fill = "#dddddd" if block in discrete else None
         lines.append("  " + _node_line(gm, node, fill))
     for index, run in enumerate(plan.runs):
@@ -45,8 +49,8 @@ def plan_to_dot(gm: fx.GraphModule, plan: Plan) -> str:
         lines.append("  }")
     shown = {n.name for n in drawn}
     for node in drawn:
-        meta = node.meta.get(META_KEY, {})
-        fork = blocks[meta["block"]].fork if meta.get("role") == "join" else None
+        node_meta = node_tag(node)
+        fork = blocks[node_meta.block].fork if node_meta.role == "join" else None
         for source in node.all_input_nodes:
             if source.name in shown:
                 style = " [style=dashed]" if source.name == fork else ""
@@ -65,7 +69,7 @@ def converted_to_dot(gm: fx.GraphModule, title: str) -> str:
     members: dict[str, list[fx.Node]] = {name: [] for name in stages}
     outside: list[fx.Node] = []
     for node in drawn:
-        stage = node.meta.get(META_KEY, {}).get("stage")
+        stage = node_tag(node).stage
         (members[stage] if stage in members else outside).append(node)
     lines = [
         f"digraph {_quote(title)} {{",

@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 
 from odeify.ir import CACHE_LOCK, Slot, StageIR
+from odeify.meta import tag
 from odeify.tableaus import ReversibleHeun, Tableau
 
-META_KEY = "odeify"
 DENSE_MIX_ABOVE = 4  # rows with more nonzero coefficients use one tensordot instead of a sum
 
 
@@ -63,7 +63,7 @@ class StageWriter:
         self, op: str, target, args: tuple, kwargs: dict | None = None, name: str | None = None
     ) -> fx.Node:
         created = self.graph.create_node(op, target, args, kwargs or {}, name=name)
-        created.meta[META_KEY] = {"stage": self.stage.stage_name}
+        tag(created, stage=self.stage.stage_name)
         return created
 
     def attr(self, path: str, name: str) -> fx.Node:

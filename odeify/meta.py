@@ -20,7 +20,7 @@ import torch.fx as fx
 
 META_KEY = "odeify"
 
-Role = Literal["fork", "branch", "join", "stage", "segment", "segment_attribute"]
+Role = Literal["fork", "branch", "join", "output", "stage", "segment", "segment_attribute"]
 
 
 @dataclass(frozen=True)

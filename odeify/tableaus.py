@@ -62,8 +62,8 @@ def to_fraction(value: object, what: str = "value") -> Fraction:
         text = value.strip()
         if len(text) > MAX_NUMBER_TEXT or not _NUMBER_TEXT.fullmatch(text):
             raise ConfigError(
-                f"{what} {value[:40]!r} is not a number of a few digits: write an int, a decimal or a ratio like '1/3' "
-                f"(at most {MAX_NUMBER_TEXT} characters, exponents up to e±99)."
+                f"{what} {value[:40]!r} is not a number of a few digits: write an int, a decimal or a "
+                f"ratio like '1/3' (at most {MAX_NUMBER_TEXT} characters, exponents up to e±99)."
             )
         try:
             return Fraction(text)

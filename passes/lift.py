@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.ir import Slot, StageIR
+from odeify.meta import tag
 from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.graph_utils import fetch_attr, identity_sources, owner_of, unique_name
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
@@ -247,7 +248,7 @@ def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: StageIR) -
     last = nodes[run.blocks[-1].output]
     with gm.graph.inserting_before(last):
         call = gm.graph.call_module(attribute, (fork,))
-    call.meta["odeify"] = {"stage": run.name, "role": "stage"}
+    tag(call, stage=run.name, role="stage")
     call.meta["tensor_meta"] = last.meta.get("tensor_meta")
     last.replace_all_uses_with(call)
     doomed: list[fx.Node] = []

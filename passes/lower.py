@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from odeify.emit import META_KEY, StageWriter, write_stage
+from odeify.emit import StageWriter, write_stage
 from odeify.ir import StageIR
+from odeify.meta import node_tag, tag
 from odeify.passes.segments import inline_segments
 
 PRESERVES_COMPUTATION = True
@@ -63,7 +64,7 @@ def raise_stages(gm: fx.GraphModule) -> fx.GraphModule:
         (x,), (out,) = tuple(inputs), outputs
         with gm.graph.inserting_before(out):
             call = gm.graph.call_module(attribute, (x,))
-        call.meta[META_KEY] = {"stage": stage_name, "role": "stage"}
+        tag(call, stage=stage_name, role="stage")
         call.meta["tensor_meta"] = out.meta.get("tensor_meta")
         out.replace_all_uses_with(call)
         for node in reversed(members):
@@ -84,5 +85,5 @@ def _fresh_namespace(gm: fx.GraphModule) -> None:
 
 
 def _inlined(node: fx.Node, stage_name: str) -> bool:
-    meta = node.meta.get(META_KEY, {})
-    return meta.get("stage") == stage_name and meta.get("role") != "stage"
+    meta = node_tag(node)
+    return meta.stage == stage_name and meta.role != "stage"

@@ -37,9 +37,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-from odeify.emit import META_KEY
 from odeify.errors import ConfigError
 from odeify.ir import StageIR
+from odeify.meta import node_tag, tag
 
 __all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments"]
 
@@ -189,10 +189,10 @@ def _emit_segment(
     fetched = []
     for path in attributes:
         node = graph.get_attr(path)
-        node.meta[META_KEY] = {"role": "segment_attribute"}
+        tag(node, role="segment_attribute")
         fetched.append(node)
     call = graph.call_module(name, (*(env[value] for value in inputs), *fetched))
-    call.meta[META_KEY] = {"role": "segment"}
+    tag(call, role="segment")
     if len(outputs) == 1:
         call.meta["tensor_meta"] = outputs[0].meta.get("tensor_meta")
         env[outputs[0]] = call
@@ -247,7 +247,7 @@ def _is_segment_call(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def _is_segment_attribute(node: object) -> bool:
-    return isinstance(node, fx.Node) and node.meta.get(META_KEY, {}).get("role") == "segment_attribute"
+    return isinstance(node, fx.Node) and node_tag(node).role == "segment_attribute"
 
 
 def _segment_names(gm: fx.GraphModule):

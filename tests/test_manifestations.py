@@ -23,6 +23,7 @@ from odeify._testing import make_test_model
 from odeify.bases import get_basis
 from odeify.conversion import converted_stages
 from odeify.emit import count_evaluations
+from odeify.meta import node_tag
 
 SHAPE = (1, 3, 64, 64)
 BASES = ("constant", "linear", "cubic")
@@ -108,9 +109,7 @@ def test_rk4_with_4_steps_costs_16_evaluations(resnet152) -> None:
         return sum(
             1
             for n in module.graph.nodes
-            if n.op == "call_function"
-            and n.target is torch.conv2d
-            and n.meta.get("odeify", {}).get("stage") == "layer3"
+            if n.op == "call_function" and n.target is torch.conv2d and node_tag(n).stage == "layer3"
         )
 
     assert convs_in(rk4) == 16 * template_convs
