@@ -533,6 +533,8 @@ ZOO: dict[str, ZooCase] = {
     "skresnet18": ZooCase("skresnet18", {}, [2, 1, 1, 1], "post", "ReLU"),
     "resnet33ts": ZooCase("resnet33ts", {}, [1, 2, 2, 1], "post", "SiLU"),
     "resnet18+drop_path": ZooCase("resnet18", {"drop_path_rate": 0.1}, [2, 1, 1, 1], "post", "ReLU"),
+    # stages.0 has an identity downsample before its first block: that block is a run member too
+    "convnext_tiny": ZooCase("convnext_tiny", {}, [3, 3, 9, 3], "pre", None),
 }
 ZOO_CI = (
     "resnet18",
@@ -544,6 +546,7 @@ ZOO_CI = (
     "skresnet18",
     "resnet18+drop_path",
     "resnet152",
+    "convnext_tiny",
 )
 """The representative subset that always runs; ODEIFY_ZOO=all runs the whole sweep."""
 ANALYSIS_ONLY = ("resnet152",)

@@ -26,6 +26,7 @@ from odeify.passes.contract import PassContractError, PassSpec, graph_pass, grap
 from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.passes.residual_blocks import find_blocks
+from odeify.passes.segments import checkpoint_segments, has_segments, inline_segments
 from odeify.tracing import annotate_shapes, trace
 
 SHAPE = (2, 3, 48, 48)  # small, yet every stage keeps a spatial extent above 1x1
@@ -80,17 +81,31 @@ def _apply_lower(model: nn.Module, cache: dict) -> Applied:
     yield "lowered", lowered
 
 
+def _apply_checkpoint_segments(model: nn.Module, cache: dict) -> Applied:
+    segmented = checkpoint_segments(copy.deepcopy(_converted(model, cache)))
+    assert has_segments(segmented)
+    yield "segmented", segmented
+
+
+def _apply_inline_segments(model: nn.Module, cache: dict) -> Applied:
+    inlined = inline_segments(checkpoint_segments(copy.deepcopy(_converted(model, cache))))
+    assert not has_segments(inlined)
+    yield "inlined", inlined
+
+
 REGISTRY: dict[str, Apply] = {
     "fold_batchnorm": _apply_fold_bn,
     "lift_runs": _apply_lift,
     "raise_stages": _apply_raise,
     "lower_stages": _apply_lower,
+    "checkpoint_segments": _apply_checkpoint_segments,
+    "inline_segments": _apply_inline_segments,
 }
 """Declared pass name -> how to apply it to a copy of an eval-mode fp64 model."""
 
-AWAITING_DECLARATION = {"raise_stages", "lower_stages"}
-"""Registered passes whose module does not declare a PassSpec yet (passes/lower.py); a name leaves
-this set when its pass is declared (the test below fails until it does)."""
+AWAITING_DECLARATION = {"raise_stages", "lower_stages", "checkpoint_segments", "inline_segments"}
+"""Registered passes whose module does not declare a PassSpec yet (passes/lower.py, passes/segments.py);
+a name leaves this set when its pass is declared (the test below fails until it does)."""
 
 
 @pytest.fixture(scope="module")
