@@ -15,9 +15,16 @@ import torch.fx as fx
 from odeify.emit import StageWriter, write_stage
 from odeify.ir import StageIR
 from odeify.meta import node_tag, tag
+from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.segments import inline_segments
 
-PRESERVES_COMPUTATION = True
+LOWER_STAGES = PassSpec("lower_stages", preserves_computation=True, modifies_graph=True)
+RAISE_STAGES = PassSpec(
+    "raise_stages",
+    preserves_computation=True,
+    modifies_graph=True,
+    invalidates=frozenset({"segments"}),  # segments are inlined first
+)
 
 
 def stage_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, StageIR]]:
@@ -31,6 +38,7 @@ def stage_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, StageIR]]:
     return found
 
 
+@graph_pass(LOWER_STAGES)
 def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
     """Unroll every ``backprop`` stage of ``gm`` in place and return it."""
     for node, stage in stage_nodes(gm):
@@ -42,11 +50,10 @@ def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         stage.inlined = True
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 
+@graph_pass(RAISE_STAGES)
 def raise_stages(gm: fx.GraphModule) -> fx.GraphModule:
     """Collapse every inlined stage of ``gm`` back into one ``call_module`` node, in place."""
     inline_segments(gm)
@@ -80,8 +87,6 @@ def _fresh_namespace(gm: fx.GraphModule) -> None:
     out = graph.graph_copy(gm.graph, env)
     graph.output(out)
     gm.graph = graph
-    gm.graph.lint()
-    gm.recompile()
 
 
 def _inlined(node: fx.Node, stage_name: str) -> bool:

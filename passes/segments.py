@@ -40,10 +40,16 @@ from torch.utils.checkpoint import checkpoint
 from odeify.errors import ConfigError
 from odeify.ir import StageIR
 from odeify.meta import node_tag, tag
+from odeify.passes.contract import PassSpec, graph_pass
 
 __all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments"]
 
-PRESERVES_COMPUTATION = True
+CHECKPOINT_SEGMENTS = PassSpec(
+    "checkpoint_segments", preserves_computation=True, modifies_graph=True, ensures=frozenset({"segments"})
+)
+INLINE_SEGMENTS = PassSpec(
+    "inline_segments", preserves_computation=True, modifies_graph=True, invalidates=frozenset({"segments"})
+)
 
 SEGMENT_PREFIX = "odeify_segment"
 
@@ -95,6 +101,7 @@ def _refuse_training_batchnorm(module: nn.Module, path: str) -> None:
             )
 
 
+@graph_pass(CHECKPOINT_SEGMENTS)
 def checkpoint_segments(gm: fx.GraphModule) -> fx.GraphModule:
     """Wrap every maximal run of non-stage nodes of ``gm`` into a :class:`Segment`, in place.
 
@@ -123,6 +130,7 @@ def checkpoint_segments(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+@graph_pass(INLINE_SEGMENTS)
 def inline_segments(gm: fx.GraphModule) -> fx.GraphModule:
     """Undo :func:`checkpoint_segments` in place: the graph it started from, node for node."""
     segments = [node for node in gm.graph.nodes if _is_segment_call(gm, node)]
@@ -261,6 +269,4 @@ def _empty_like(graph: fx.Graph) -> fx.Graph:
 
 
 def _install(gm: fx.GraphModule, graph: fx.Graph) -> None:
-    graph.lint()
-    gm.graph = graph
-    gm.recompile()
+    gm.graph = graph  # the pass contract lints and recompiles
