@@ -103,10 +103,6 @@ REGISTRY: dict[str, Apply] = {
 }
 """Declared pass name -> how to apply it to a copy of an eval-mode fp64 model."""
 
-AWAITING_DECLARATION: set[str] = set()
-"""Registered passes whose module does not declare a PassSpec yet; a name leaves this set when its
-pass is declared (the test below fails until it does). Every registered pass is declared now."""
-
 
 @pytest.fixture(scope="module")
 def shared() -> dict[str, dict]:
@@ -135,10 +131,8 @@ def test_every_declared_transformation_is_registered() -> None:
     }
     missing = sorted(preserving - set(REGISTRY))
     assert not missing, f"passes declaring preserves_computation with no entry in REGISTRY: {missing}"
-    stale = sorted(set(REGISTRY) - preserving - AWAITING_DECLARATION)
+    stale = sorted(set(REGISTRY) - preserving)
     assert not stale, f"REGISTRY entries that are no declared computation-preserving pass: {stale}"
-    now_declared = sorted(AWAITING_DECLARATION & set(declared))
-    assert not now_declared, f"declared now, remove from AWAITING_DECLARATION: {now_declared}"
 
 
 @pytest.mark.parametrize("model_key", list(MODELS))
