@@ -16,13 +16,14 @@ Every generated stage after the first starts with a strided (projection) block, 
 span two stages and the walk's per-stage count is the whole prediction.
 
 Profiles (``ODEIFY_HYPOTHESIS``): ``default`` runs ``test_generated_architectures`` on 20
-examples in the ordinary suite; ``ci`` (200 examples) and ``full`` (1000, not derandomised) also
-run the ``slow`` sweep ``test_generated_architectures_sweep``.
+examples (4 per family, 24 in all) in the ordinary suite; ``ci`` (200: 34 per family) and ``full``
+(1000, not derandomised) also run the ``slow`` sweep ``test_generated_architectures_sweep``.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from functools import partial
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from timm.layers import BatchNormAct2d, GroupNormAct, get_act_layer
 from timm.models._efficientnet_builder import decode_arch_def
@@ -49,16 +50,16 @@ from odeify.errors import NoResidualBlocksError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROFILE = os.environ.get("ODEIFY_HYPOTHESIS", "default")
-_COMMON = {"deadline": None, "database": None, "suppress_health_check": [HealthCheck.too_slow]}
-settings.register_profile("default", max_examples=20, derandomize=True, **_COMMON)
-settings.register_profile("ci", max_examples=200, derandomize=True, **_COMMON)
-settings.register_profile("full", max_examples=1000, **_COMMON)
-if PROFILE not in ("default", "ci", "full"):
-    raise ValueError(f"ODEIFY_HYPOTHESIS must be default, ci or full; got {PROFILE!r}")
+EXAMPLES = {"default": 20, "ci": 200, "full": 1000}
+"""Examples per profile, shared evenly by the six families (rounded up)."""
+if PROFILE not in EXAMPLES:
+    raise ValueError(f"ODEIFY_HYPOTHESIS must be one of {', '.join(EXAMPLES)}; got {PROFILE!r}")
 
-RTOL = 1e-12
-"""fp64, relative to the output's largest magnitude; measured worst case over the ci profile: see
-``test_generated_architectures_sweep``'s docstring."""
+RTOL = 1e-10
+"""fp64, relative to the output's largest magnitude. Measured over the ci profile: 0 to 1e-15 for
+nine examples in ten, at most 1.4e-12, on a 16-block BatchNorm ResNetV2 whose random-weight
+activations reach 1e26: all of that is BatchNorm folding's round-off (the converted model equals
+the folded graph bit for bit). A wrong weight, variant or step is off by 1e-3 or more."""
 
 ACTIVATIONS = ("relu", "silu", "gelu", "leaky_relu")
 ATTENTION = (None, "se", "eca")
@@ -201,7 +202,7 @@ def resnetv2s(draw) -> Arch:
             s["layers"],
             channels=s["channels"],
             num_classes=5,
-            stem_chs=8,
+            stem_chs=32,  # the tiered stem's first conv has 3/8 of it: a multiple of 4 groups
             stem_type=s["stem_type"],
             avg_down=s["avg_down"],
             preact=preact,
@@ -368,7 +369,25 @@ def mobilenets(draw) -> Arch:
     return Arch("mobilenet", s, build, draw(sizes), batchnorm=True)
 
 
-architectures = st.one_of(resnets(), resnetv2s(), byobnets(), convnexts(), regnets(), mobilenets())
+FAMILIES = {
+    "resnet": resnets(),
+    "resnetv2": resnetv2s(),
+    "byobnet": byobnets(),
+    "convnext": convnexts(),
+    "regnet": regnets(),
+    "mobilenet": mobilenets(),
+}
+"""One strategy per family; each test runs per family so every family gets its share of examples."""
+
+for _name, _total in EXAMPLES.items():
+    settings.register_profile(
+        _name,
+        max_examples=math.ceil(_total / len(FAMILIES)),
+        derandomize=_name != "full",  # the default and ci runs are the same examples every time
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 # --- the property -----------------------------------------------------------------------------------
@@ -387,6 +406,15 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def _checks_train_mode(arch: Arch) -> bool:
+    """Train mode is compared where it can agree: no BatchNorm (folded), and DropPath to draw."""
+    return not arch.batchnorm and arch.settings["drop_path_rate"] > 0
+
+
+def _magnitude(error: float) -> str:
+    return "0" if error == 0 else f"~1e{math.floor(math.log10(error))}"
+
+
 def check_architecture(arch: Arch) -> dict[str, float]:
     """Both properties for one architecture; returns the measured relative errors.
 
@@ -397,18 +425,21 @@ def check_architecture(arch: Arch) -> dict[str, float]:
     shape = (2, 3, arch.size, arch.size)
     expected_runs = predicted_runs(arch.family, model)
     if not expected_runs:
-        with pytest.raises(NoResidualBlocksError, match="no identity block"):
+        event(f"family {arch.family}, no identity block")
+        with pytest.raises(NoResidualBlocksError, match="has no residual block odeify can turn into"):
             odeify.convert(model, input_size=shape)
         return {}
     converted = odeify.convert(model, input_size=shape)
     assert not converted.meta["odeify"]["not_lifted"], converted.meta["odeify"]["not_lifted"]
     assert [stage.depth for stage in odeify.converted_stages(converted)] == expected_runs
+    event(f"family {arch.family}, {'train and eval' if _checks_train_mode(arch) else 'eval'} mode")
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     errors = {}
     with torch.no_grad():
         errors["eval"] = _relative_error(converted(x), model(x))
         assert errors["eval"] <= RTOL, errors
-        if not arch.batchnorm and arch.settings["drop_path_rate"] > 0:
+        event(f"eval relative error {_magnitude(errors['eval'])}")
+        if _checks_train_mode(arch):
             model.train()
             converted.train()
             torch.manual_seed(2)
@@ -419,15 +450,17 @@ def check_architecture(arch: Arch) -> dict[str, float]:
     return errors
 
 
-@given(arch=architectures)
+@pytest.mark.parametrize("family", list(FAMILIES))
+@given(data=st.data())
 @settings(settings.get_profile("default"))
-def test_generated_architectures(arch: Arch) -> None:
-    check_architecture(arch)
+def test_generated_architectures(family: str, data: st.DataObject) -> None:
+    check_architecture(data.draw(FAMILIES[family], label="architecture"))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(PROFILE == "default", reason="set ODEIFY_HYPOTHESIS=ci (200 examples) or full")
-@given(arch=architectures)
+@pytest.mark.skipif(PROFILE == "default", reason="set ODEIFY_HYPOTHESIS=ci (200 examples) or full (1000)")
+@pytest.mark.parametrize("family", list(FAMILIES))
+@given(data=st.data())
 @settings(settings.get_profile(PROFILE))
-def test_generated_architectures_sweep(arch: Arch) -> None:
-    check_architecture(arch)
+def test_generated_architectures_sweep(family: str, data: st.DataObject) -> None:
+    check_architecture(data.draw(FAMILIES[family], label="architecture"))
