@@ -74,5 +74,3 @@ def _randomize(model: nn.Module) -> None:
             param.uniform_(0.5, 1.5)
         else:  # a zeroed conv/linear weight: fan-in scaled normal
             param.normal_().mul_(1.0 / math.sqrt(param[0].numel()))
-
-

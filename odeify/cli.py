@@ -18,6 +18,7 @@ from importlib import metadata
 
 from odeify import __version__
 from odeify.bases import BASES
+from odeify.console import console_on
 from odeify.errors import ConfigError, OdeifyError
 from odeify.settings import BACKWARD_MODES, DEFAULT_MODEL_PATH, validate_backward
 from odeify.tableaus import TABLEAUS, ReversibleHeun, resolve_integrator
@@ -576,19 +577,6 @@ def _allows(integrator: object, mode: str) -> bool:
 
 def _first_line(doc: str | None) -> str:
     return (doc or "").strip().splitlines()[0] if doc else ""
-
-
-TABLE_WIDTH = 120  # rich's width when the stream is not a terminal (its own default, 80, wraps the tables)
-
-
-def console_on(stream):
-    """A rich console on ``stream``, wide enough for the tables when it is not a terminal."""
-    from rich.console import Console
-
-    console = Console(file=stream, highlight=False)
-    if not console.is_terminal:
-        console = Console(file=stream, highlight=False, width=TABLE_WIDTH)
-    return console
 
 
 if __name__ == "__main__":

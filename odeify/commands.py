@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 import odeify
-from odeify.cli import console_on
+from odeify.console import console_on
 from odeify.errors import ConfigError, OdeifyError
 from odeify.fileio import atomic_write_bytes
 from odeify.settings import DEFAULT_MODEL_PATH

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
@@ -322,6 +323,9 @@ def _per_stage(spec, names: list[str], what: str, fill: bool = True) -> dict:
     return {n: spec for n in names}
 
 
+_DECIMAL = re.compile(r"\d+(\.\d*)?|\.\d+")
+
+
 def _resolve_steps(spec, depth: int, stage: str) -> int:
     """'native' -> depth, 'x<m>' -> round(m * depth) (at least 1), an integer as is (validated).
 
@@ -331,10 +335,9 @@ def _resolve_steps(spec, depth: int, stage: str) -> int:
     if spec == "native":
         return depth
     if isinstance(spec, str) and spec.startswith("x"):
-        try:
-            factor = Fraction(spec[1:]) if len(spec) <= 32 else None
-        except (ValueError, ZeroDivisionError):
-            factor = None
+        # Plain decimals only: Fraction("1e999999999") would build a billion-digit integer.
+        plain = _DECIMAL.fullmatch(spec[1:]) is not None and len(spec) <= 16
+        factor = Fraction(spec[1:]) if plain else None
         if factor is None or factor <= 0:
             raise ConfigError(
                 f"a steps multiplier is 'x' and a positive number, e.g. 'x2' or 'x0.5'; got {spec!r}."

@@ -116,9 +116,6 @@ def digits_resnet(
     return model
 
 
-
-
-
 def digits_split(
     seed: int = DIGITS_SEED, test_fraction: float = DIGITS_TEST_FRACTION, n: int = 1797
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -158,5 +155,3 @@ def load_digits(
     if size != x.shape[-1]:
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     return x.to(dtype).contiguous(), labels[idx]
-
-

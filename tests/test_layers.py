@@ -50,7 +50,11 @@ LAYERS: list[tuple[str, set[str]]] = [
             "dot",
         },
     ),  # fmt: skip
-    ("apps", {"evaluate", "sweep", "plots", "finetune", "demo", "commands", "cli", "__main__", "__init__"}),
+    (
+        "apps",
+        {"console", "evaluate", "sweep", "plots", "finetune", "demo", "commands", "cli"}
+        | {"__main__", "__init__"},
+    ),
 ]
 
 
