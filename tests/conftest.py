@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 
 import pytest
@@ -10,6 +11,11 @@ import torch
 from torch import nn
 
 from odeify._testing import make_test_model
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core: one torch thread each, or the workers' thread pools
+    # oversubscribe the cores and spin against each other.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
