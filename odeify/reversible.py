@@ -118,9 +118,9 @@ def _fields_at(stage: StageIR, m: int) -> list[_Field]:
     ends, starts = m > 0, m < stage.steps
     same = (
         stage.row(t, True) == stage.row(t, False)
-        and stage.variant_index(t, True) == stage.variant_index(t, False)
+        and (not stage.variants or stage.variant_index(t, True) == stage.variant_index(t, False))
         and not stage.draws_random
-    )
+    )  # as emit's field cache: the variant matters only where the blocks' own modules differ
     if ends and starts and same:
         return [_Field(t, True, starts_step=True, ends_step=True)]
     fields = [_Field(t, True, starts_step=False, ends_step=True)] if ends else []

@@ -13,7 +13,7 @@ from timm.layers import DropPath
 from torch import nn
 
 import odeify
-from odeify import adjoint, rerun, reversible
+from odeify import adjoint, emit, rerun, reversible
 from odeify._testing import make_test_model
 from odeify.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.errors import ConfigError
@@ -345,6 +345,23 @@ def test_step_graphs_take_only_the_knots_they_read(monkeypatch) -> None:
         stage.configure(basis="linear", integrator=integrator, steps=8, backward=mode)
         stage(stage_input(stage, 2, torch.float32)).sum().backward()
     assert rows_per_gradient and set(rows_per_gradient) == {1}
+
+
+@pytest.mark.parametrize("basis", ["constant", "linear"])
+def test_reversible_forward_evaluates_the_fields_the_unrolled_graph_does(monkeypatch, basis) -> None:
+    """Where the weight path is continuous (linear), B_{m-1} and A_m are one evaluation.
+
+    The oracle is the unrolled reversible-Heun graph's NFE (emit shares an evaluation by its own
+    rule); the constant path evaluates twice per step, the linear one steps + 1 times.
+    """
+    stage = digits_stage(0, torch.float32, knots="native", steps="native", basis=basis)
+    stage.configure(integrator="reversible_heun", backward="reversible")
+    graphs = []
+    field_graph = reversible.field_graph
+    monkeypatch.setattr(reversible, "field_graph", lambda *a: graphs.append(a) or field_graph(*a))
+    stage(stage_input(stage, 2, torch.float32))  # forward only: backward evaluates each field again
+    expected = {"constant": 2 * stage.steps, "linear": stage.steps + 1}[basis]
+    assert len(graphs) == emit.count_evaluations(stage) == expected
 
 
 def test_saved_memory_is_flat_in_depth() -> None:
