@@ -370,6 +370,17 @@ NOTES = """Reading the numbers:
   path the two evaluations at a step boundary use different knots, so a native-depth stage costs
   twice the blocks' convolutions in forward, and again in backward; on a linear path consecutive
   steps share one evaluation (steps + 1 per stage).
+- Why reversible misses the 1.8x time target at native steps: on the default piecewise-constant
+  path a step evaluates the field twice in forward, and backward evaluates each again with grad
+  and takes its vector-Jacobian product (about two evaluations' work): 8 block evaluations' work
+  per block against timm's 3 (forward 1, backward 2), 2.7x on the stages before any overhead. On
+  a linear path consecutive steps share one evaluation: 4 against 3 (1.33x), plus the lattice's
+  float64 arithmetic (the profile's 'lattice arithmetic', about 1 s per resnet50 step) and the
+  segments' recompute.
+- resnet152's random-weight layer3 (35 blocks, so 35 reversible-Heun steps of size 1) grows the
+  reversible state to 2^40 times its input at native steps, past the lattice's exact range (2^26
+  for fp32 inputs): those passes fall back to recomputing the states from the stage input, exactly
+  and with the same saved bytes ('fallbacks': 5 of 20), which adds to their time.
 - Step times come from a shared 2-core machine; the load average before and after the run is
   recorded below. Ratios to timm plain are from the same run; CPU-time ratios are less sensitive
   to other processes than wall-time ratios."""
