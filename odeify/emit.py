@@ -147,9 +147,8 @@ class StageWriter:
 
     def field(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> fx.Node:
         """F(t, y): ``L * (block(y) - y)`` for post-activation blocks, ``L * f(y)`` for pre-activation."""
-        variant = self.stage.variant_index(t, left) if len(self.stage.variants) else None
         # an evaluation that draws random numbers (DropPath) is its own draw: never shared across steps
-        key = (self.stage.row(t, left), variant, y, tag if self.stage.draws_random else None)
+        key = (self.stage.field_weights(t, left), y, tag if self.stage.draws_random else None)
         if key not in self._fields:
             self.evaluations += 1
             branch, out = self.block(t, left, y, tag)

@@ -180,6 +180,15 @@ class StageIR(nn.Module):
                 rows[t, left] = tuple(get_basis(self.basis).coefficients(self.num_knots, t, left))
         return rows[t, left]
 
+    def field_weights(self, t: Fraction, left: bool) -> tuple[tuple[Fraction, ...], int | None]:
+        """What a field evaluation at ``t`` reads besides its input: the knot row, and the per-block
+        variant where the blocks' own modules differ (None where they do not).
+
+        Two evaluations of one input with equal ``field_weights`` are one evaluation, unless the
+        stage draws random numbers: emit's graphs and the reversible backward share by this rule.
+        """
+        return self.row(t, left), (self.variant_index(t, left) if self.variants else None)
+
     def variant_index(self, t: Fraction, left: bool) -> int:
         """The original block whose per-block modules (DropPath rates) serve time ``t``."""
         return get_basis("constant").coefficients(self.depth, t, left).index(1)

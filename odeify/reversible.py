@@ -116,11 +116,7 @@ def _fields_at(stage: StageIR, m: int) -> list[_Field]:
     """The evaluations at z_m in forward order (B_{m-1}, then A_m), one when they coincide."""
     t = Fraction(m, stage.steps)
     ends, starts = m > 0, m < stage.steps
-    same = (
-        stage.row(t, True) == stage.row(t, False)
-        and (not stage.variants or stage.variant_index(t, True) == stage.variant_index(t, False))
-        and not stage.draws_random
-    )  # as emit's field cache: the variant matters only where the blocks' own modules differ
+    same = stage.field_weights(t, True) == stage.field_weights(t, False) and not stage.draws_random
     if ends and starts and same:
         return [_Field(t, True, starts_step=True, ends_step=True)]
     fields = [_Field(t, True, starts_step=False, ends_step=True)] if ends else []
