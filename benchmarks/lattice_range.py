@@ -61,7 +61,7 @@ def measure(name: str, model: torch.nn.Module, x: torch.Tensor) -> list[tuple[st
         inputs = stage_inputs(gm, x)
         for stage in odeify.converted_stages(gm):
             x_in = inputs[stage.stage_name]
-            lattice = reversible._Lattice(x_in, stage.steps)
+            lattice = reversible._Lattice(x_in, reversible.half_step(stage))
             points: list[torch.Tensor] = []
             with torch.no_grad():
                 y, z = reversible._integrate(

@@ -150,16 +150,19 @@ class StageWriter:
         # an evaluation that draws random numbers (DropPath) is its own draw: never shared across steps
         key = (self.stage.field_weights(t, left), y, tag if self.stage.draws_random else None)
         if key not in self._fields:
-            self.evaluations += 1
-            branch, out = self.block(t, left, y, tag)
-            if self.stage.form == "pre":
-                delta = branch
-            else:
-                delta = self.node("call_function", operator.sub, (out, y), name=f"{self.tag}_delta_{tag}")
+            delta = self.delta(t, left, y, tag)
             self._fields[key] = self.node(
                 "call_function", operator.mul, (delta, self.stage.depth), name=f"{self.tag}_F_{tag}"
             )
         return self._fields[key]
+
+    def delta(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> fx.Node:
+        """F(t, y) / L, one new evaluation: ``block(y) - y``, or the branch ``f(y)`` (pre-activation)."""
+        self.evaluations += 1
+        branch, out = self.block(t, left, y, tag)
+        if self.stage.form == "pre":
+            return branch
+        return self.node("call_function", operator.sub, (out, y), name=f"{self.tag}_delta_{tag}")
 
     def axpy(self, y: fx.Node, terms: list[tuple[Fraction, fx.Node]], name: str) -> fx.Node:
         """``y + sum(c * k)`` with zero terms skipped."""
@@ -251,6 +254,15 @@ def build_field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.Gra
     return _graph_over_knots(stage, "field", ("x",), lambda w, x: w.field(t, left, x, "t"))
 
 
+def build_delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+    """A graph module ``(x, knots...) -> F(t, x) / L``: the field without its depth factor.
+
+    Reversible Heun folds L into its lattice increments (one multiply fewer per evaluation, and one
+    fewer in its VJP).
+    """
+    return _graph_over_knots(stage, "delta", ("x",), lambda w, x: w.delta(t, left, x, "t"))
+
+
 def _graph_over_knots(stage: StageIR, name: str, state: tuple[str, ...], write) -> fx.GraphModule:
     """Build ``(state..., knot stacks...) -> write(writer, *state)`` taking only the knots it reads.
 
@@ -298,6 +310,12 @@ def field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModu
     """The graph of F(t, x) at an exact time, built once per manifestation."""
     t = Fraction(t)
     return _cached(stage, (t, left, "field"), lambda: build_field_graph(stage, t, left))
+
+
+def delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+    """The graph of F(t, x) / L at an exact time, built once per manifestation."""
+    t = Fraction(t)
+    return _cached(stage, (t, left, "delta"), lambda: build_delta_graph(stage, t, left))
 
 
 def _cached(stage: StageIR, key: tuple | str, build) -> fx.GraphModule:

@@ -18,6 +18,12 @@ provided F returns the same bits for the same input: CPU kernels do; on GPU set
 so its Jacobians are the ones backprop uses; only the state arithmetic is
 finer than the unrolled graph's (whose output differs by its own round-off).
 
+What it costs per point, besides the field: the graphs evaluate delta = F / L (the stage's depth
+L is folded into the increments' scale, h L / 2, and into the cotangents: a multiply fewer per
+evaluation and per VJP), the increment is three float64 passes, and the running sum
+u_m = y_m + a_m makes z_{m+1} = 2 u_m - z_m one pass (see :func:`_integrate`); a shared
+evaluation's increment is computed once and added twice in one pass.
+
 Backward walks the points z_N, ..., z_0. At each it evaluates the fields at z_m with grad
 (B_{m-1} = F(t_m-, z_m) and A_m = F(t_m, z_m); one evaluation when the weight path is continuous
 at t_m and nothing random is drawn), takes one vector-Jacobian product with the cotangents
@@ -67,11 +73,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from odeify.emit import field_graph
+from odeify.emit import delta_graph
 from odeify.ir import StageIR
 from odeify.rerun import ForwardContext, ParamGrads, knot_window_inputs
 
-__all__ = ["EXACT_COUNTS", "integrate_reversible", "lattice_bits"]
+__all__ = ["EXACT_COUNTS", "half_step", "integrate_reversible", "lattice_bits"]
 
 HEADROOM_BITS = 9
 """Float64 sums of counts stay exact up to 2^9 times the input's magnitude at least (fp64 inputs)."""
@@ -95,6 +101,14 @@ def lattice_bits(dtype: torch.dtype) -> int:
     """
     precision = 1 - round(math.log2(torch.finfo(dtype).eps))  # 24 for fp32
     return min(precision + FINER_BITS, 53 - HEADROOM_BITS)
+
+
+def half_step(stage: StageIR) -> Fraction:
+    """h L / 2: an increment [h/2 F] is [h L / 2 * delta], delta = F / L being what the graphs evaluate.
+
+    1/2 at native steps. Folding L here saves a multiply per evaluation and one in its VJP.
+    """
+    return Fraction(stage.depth, 2 * stage.steps)
 
 
 def integrate_reversible(stage: StageIR, x: Tensor, knots: list[Tensor], extras: list[Tensor]) -> Tensor:
@@ -144,15 +158,17 @@ class _Lattice:
     arithmetic (page faults).
     """
 
-    def __init__(self, x: Tensor, steps: int, quantum: Tensor | None = None) -> None:
+    def __init__(self, x: Tensor, half_step: Fraction, quantum: Tensor | None = None) -> None:
         self.dtype = x.dtype
         self.quantum = _quantum(x) if quantum is None else quantum
-        self.increment_scale = (0.5 / steps) / self.quantum  # exact: q is a power of two
+        # dividing by q (a power of two) is exact
+        self.increment_scale = float(half_step) / self.quantum
         # counts -> dtype, then * q (exact: q is a normal power of two in dtype) is round(counts * q),
         # without a float64 temporary; fp16 could overflow on the counts, fp64 needs no rounding
         self._via_dtype = self.dtype != torch.float64 and torch.finfo(self.dtype).max > EXACT_COUNTS
         self._quantum_in_dtype = self.quantum.to(self.dtype)
         self._spare: list[Tensor] = []
+        self._point: Tensor | None = None  # value()'s reused output
 
     def buffer(self, like: Tensor) -> Tensor:
         """A float64 tensor shaped like ``like`` (contents undefined), reused once released."""
@@ -175,30 +191,32 @@ class _Lattice:
         return self.buffer(like).copy_(field).mul_(self.increment_scale).round_()
 
     @_profiled
-    def value(self, counts: Tensor) -> Tensor:
-        """The lattice point ``counts * q`` rounded to the input's dtype (a new tensor)."""
-        if self._via_dtype:
-            return counts.to(self.dtype).mul_(self._quantum_in_dtype)
-        return torch.mul(counts, self.quantum).to(self.dtype)
+    def value(self, counts: Tensor, reuse: bool = True) -> Tensor:
+        """The lattice point ``counts * q`` rounded to the input's dtype.
+
+        With ``reuse``, in one buffer that the next call overwrites: the field evaluation at a
+        point is done (and its VJP taken) before the walk moves on.
+        """
+        if not self._via_dtype:
+            return torch.mul(counts, self.quantum).to(self.dtype)
+        if not reuse or self._point is None:
+            point = torch.empty_like(counts, dtype=self.dtype)
+            self._point = point if reuse else self._point
+        else:
+            point = self._point
+        return point.copy_(counts).mul_(self._quantum_in_dtype)
 
     @staticmethod
     @_profiled
-    def advance(y: Tensor, z: Tensor, a: Tensor) -> Tensor:
-        """z_{m+1} = 2 y_m - z_m + 2 a_m, in place of z_m."""
-        return z.neg_().add_(y, alpha=2).add_(a, alpha=2)
+    def add(u: Tensor, increment: Tensor, times: int) -> None:
+        """u += times * increment, in place (times is 1 or 2, or -1 or -2 going back: exact)."""
+        u.add_(increment, alpha=times)
 
     @staticmethod
     @_profiled
-    def retreat(y: Tensor, z: Tensor, b: Tensor) -> Tensor:
-        """z_{m-1} = 2 y_m - z_m - 2 b_{m-1}, in place of z_m."""
-        return z.neg_().add_(y, alpha=2).sub_(b, alpha=2)
-
-    @staticmethod
-    @_profiled
-    def add(y: Tensor, *increments: Tensor, sign: int = 1) -> None:
-        """y += sign * (sum of increments), in place."""
-        for increment in increments:
-            y.add_(increment, alpha=sign)
+    def reflect(z: Tensor, u: Tensor) -> Tensor:
+        """z -> 2 u - z, in place: z_{m+1} from z_m forward, z_{m-1} from z_m backward (one pass)."""
+        return z.lerp_(u, 2.0)  # z + 2 (u - z): every partial result an integer below 2^54, exact
 
     @_profiled
     def pack(self, y: Tensor, z: Tensor, out: Tensor) -> tuple[tuple[Tensor | None, ...] | None, str]:
@@ -207,12 +225,12 @@ class _Lattice:
         Consumes ``z`` (d is computed in its place). Returns ``(None, why)`` when the counts
         cannot hold the state exactly. One device sync.
         """
-        y_max, z_max = _largest(y), _largest(z)
         d = z.sub_(y)
         residual = self.buffer(y).copy_(out).div_(self.quantum).sub_(y).neg_()  # y - out / q: integers
-        y_max, z_max, res_max, d_max = torch.stack([y_max, z_max, _largest(residual), _largest(d)]).tolist()
-        if not all(map(math.isfinite, (y_max, z_max, res_max, d_max))):
+        y_max, res_max, d_max = torch.stack([_largest(y), _largest(residual), _largest(d)]).tolist()
+        if not all(map(math.isfinite, (y_max, res_max, d_max))):
             return None, "its state is not finite (a NaN or inf in the batch, or a field that overflowed)"
+        z_max = y_max + d_max  # a bound on |z|, one pass fewer; d = z - y is exact below 2^53
         if max(y_max, z_max) >= EXACT_COUNTS:
             growth = math.log2(max(y_max, z_max)) - lattice_bits(self.dtype)
             return None, (
@@ -265,7 +283,7 @@ class _ReversibleHeunAdjoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, stage: StageIR, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
         context = ForwardContext.capture(x)
-        lattice = _Lattice(x, stage.steps)
+        lattice = _Lattice(x, half_step(stage))
         y, z = _integrate(stage, lattice, context, params[:num_knots], lattice.counts(x))
         out = lattice.value(y)
         packed, why = lattice.pack(y, z, out)
@@ -291,7 +309,7 @@ class _ReversibleHeunAdjoint(torch.autograd.Function):
                 grad_x = pass_.from_input(x, params[: ctx.num_knots], grad_out)
             else:
                 out, residual, d, quantum = state
-                lattice = _Lattice(out, ctx.stage.steps, quantum)
+                lattice = _Lattice(out, half_step(ctx.stage), quantum)
                 grad_x = pass_.inverted(lattice, *lattice.unpack(out, residual, d), grad_out)
         return (None, None, grad_x, *grads.result())
 
@@ -301,31 +319,25 @@ def _integrate(
 ) -> tuple[Tensor, Tensor]:
     """The forward on the lattice from y_0 = z_0 = ``y`` (counts, updated in place); returns (y_N, z_N).
 
+    The running sum is u: y_m after B_{m-1}'s increment, u_m = y_m + a_m after A_m's, so that
+    z_{m+1} = 2 u_m - z_m is one pass (and a shared evaluation adds its increment twice, in one).
     ``points``, when given, collects every z_m as the fields saw it (backward's fallback).
     """
-    z = y.clone()
-    a = None  # a_{m-1}, then a_m
+    u, z = y, y.clone()
     for m in range(stage.steps + 1):
-        z_in = lattice.value(z)
+        z_in = lattice.value(z, reuse=points is None)
         if points is not None:
             points.append(z_in)
         for f in _fields_at(stage, m):
-            graph = field_graph(stage, f.t, f.left)
+            graph = delta_graph(stage, f.t, f.left)
             value = context.record((m, f.left), graph, (z_in, *knot_window_inputs(graph, knots)))
-            increment = lattice.increment(value, y)
+            increment = lattice.increment(value, u)
             del value
-            if f.ends_step:
-                lattice.add(y, a, increment)  # y_m = y_{m-1} + a_{m-1} + b_{m-1}
-                lattice.release(a)
-                a = None
-            if f.starts_step:
-                a = increment
-            else:
-                lattice.release(increment)
+            lattice.add(u, increment, f.starts_step + f.ends_step)  # y_m = u_{m-1} + b_{m-1}; u_m = y_m + a_m
+            lattice.release(increment)
         if m < stage.steps:
-            z = lattice.advance(y, z, a)
-    lattice.release(a)
-    return y, z
+            z = lattice.reflect(z, u)
+    return u, z
 
 
 def _note_fallback(stage: StageIR, why: str) -> None:
@@ -351,27 +363,25 @@ class _ReversiblePass:
 
     def inverted(self, lattice: _Lattice, y: Tensor, z: Tensor, grad_out: Tensor) -> Tensor | None:
         """Walk the points by inverting the lattice steps from the final (y, z); check y_0 == z_0."""
-        b = None  # b_m, from the point after
-        lam = _Cotangents(grad_out, self.steps)
+        u = y  # y_N; then, going back, u_{m-1} = y_m - b_{m-1} and y_m = u_m - a_m (see _integrate)
+        lam = _Cotangents(grad_out, self.stage)
         for m in range(self.steps, -1, -1):
-            values = self._point(m, lattice.value(z), lam)
-            if m < self.steps:
-                a = lattice.increment(values[True], y)
-                lattice.add(y, a, b, sign=-1)  # y_m = y_{m+1} - a_m - b_m
-                lattice.release(a, b)
+            for value, times in self._point(m, lattice.value(z), lam):
+                increment = lattice.increment(value, u)
+                lattice.add(u, increment, -times)
+                lattice.release(increment)
             if m > 0:
-                b = lattice.increment(values[False], y)  # b_{m-1}
-                z = lattice.retreat(y, z, b)
-        self._check_rebuild(y, z)
+                z = lattice.reflect(z, u)  # z_{m-1} = 2 u_{m-1} - z_m
+        self._check_rebuild(u, z)
         return lam.result() if self.needs_x else None
 
     def from_input(self, x: Tensor, knots, grad_out: Tensor) -> Tensor | None:
         """The fallback: recompute the forward from the saved input, keeping every point z_m."""
-        lattice = _Lattice(x, self.steps)
+        lattice = _Lattice(x, half_step(self.stage))
         points: list[Tensor] = []
         with torch.no_grad():
             _integrate(self.stage, lattice, _Replaying(self.context), knots, lattice.counts(x), points)
-        lam = _Cotangents(grad_out, self.steps)
+        lam = _Cotangents(grad_out, self.stage)
         for m in range(self.steps, -1, -1):
             self._point(m, points.pop(), lam)
         self.stage.adjoint_stats.backward_passes += 1
@@ -381,64 +391,72 @@ class _ReversiblePass:
         """y_0 and z_0 started equal: any gap means the rebuilt states were not the forward's."""
         stats = self.stage.adjoint_stats
         stats.backward_passes += 1
+        if torch.equal(y, z):  # one pass; the norms below only when something went wrong
+            stats.record([torch.zeros((), dtype=torch.float64)])
+            return
         stats.record([torch.linalg.vector_norm(y - z) / torch.linalg.vector_norm(y).clamp_min(1e-300)])
         error = stats.last_errors[0]
-        if not error == 0:  # a NaN or inf gap counts (record maps it to inf)
-            warnings.warn(
-                f"odeify: stage '{self.stage.stage_name}' (backward='reversible') did not rebuild its "
-                f"states exactly (rebuilt y0 and z0 differ by {error:.1e}, relative): its field returned "
-                "other bits on a re-run, or its state outgrew exact float64 arithmetic between steps, so "
-                "these gradients carry that difference, amplified by the inverse. On GPUs use "
-                "deterministic kernels (torch.use_deterministic_algorithms(True), "
-                "torch.backends.cudnn.benchmark = False). stage.adjoint_stats.worst_error tracks it.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        warnings.warn(
+            f"odeify: stage '{self.stage.stage_name}' (backward='reversible') did not rebuild its "
+            f"states exactly (rebuilt y0 and z0 differ by {error:.1e}, relative): its field returned "
+            "other bits on a re-run, or its state outgrew exact float64 arithmetic between steps, so "
+            "these gradients carry that difference, amplified by the inverse. On GPUs use "
+            "deterministic kernels (torch.use_deterministic_algorithms(True), "
+            "torch.backends.cudnn.benchmark = False). stage.adjoint_stats.worst_error tracks it.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
-    def _point(self, m: int, z_in: Tensor, lam: _Cotangents) -> dict[bool, Tensor]:
+    def _point(self, m: int, z_in: Tensor, lam: _Cotangents) -> list[tuple[Tensor, int]]:
         """Evaluate the fields at z_m with grad, take their VJP, add the parameter gradients.
 
-        Returns the detached values (``True``: A_m, ``False``: B_{m-1}); updates the cotangents.
+        Returns the detached values in the order backward undoes them (A_m, then B_{m-1}), each
+        with how many increments it served in forward (2 for a shared evaluation); updates the
+        cotangents.
         """
         need_z = m > 0 or self.needs_x
-        cot_start, cot_end = lam.at(m)
-        values: dict[bool, Tensor] = {}
-        outputs, cotangents, reruns = [], [], []
+        fields = _fields_at(self.stage, m)
+        outputs, reruns = [], []
         with torch.enable_grad():
             z_in = z_in.detach().requires_grad_(need_z)
-            for f in _fields_at(self.stage, m):
-                graph = field_graph(self.stage, f.t, f.left)
+            for f in fields:
+                graph = delta_graph(self.stage, f.t, f.left)
                 rerun = self.grads.rerun(graph)
-                value = self.context.replay((m, f.left), graph, (z_in, *rerun.knots))
-                parts = [c for c, use in ((cot_start, f.starts_step), (cot_end, f.ends_step)) if use]
-                for serves, use in ((True, f.starts_step), (False, f.ends_step)):
-                    if use:
-                        values[serves] = value.detach()
-                outputs.append(value)
-                cotangents.append(sum(parts[1:], parts[0]).to(value.dtype))
+                outputs.append(self.context.replay((m, f.left), graph, (z_in, *rerun.knots)))
                 reruns.append(rerun)
+            serves = [(f.starts_step, f.ends_step) for f in fields]
+            cotangents = [c.to(v.dtype) for c, v in zip(lam.at(m, serves), outputs, strict=True)]
             wrt = ([z_in] if need_z else []) + [t for r in reruns for t in r.wrt]
             found = iter(torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True) if wrt else ())
         lam.step(next(found) if need_z else None)
         for rerun in reruns:
             self.grads.add(rerun, [next(found) for _ in rerun.wrt])
-        return values
+        served = zip(outputs, fields, strict=True)
+        return [(value.detach(), f.starts_step + f.ends_step) for value, f in served][::-1]
 
 
 class _Cotangents:
     """λy, λz walking back from the output (y_N alone is the output, so λz_N = 0); updated in place."""
 
-    def __init__(self, grad_out: Tensor, steps: int) -> None:
+    def __init__(self, grad_out: Tensor, stage: StageIR) -> None:
         self.lam_y, self.lam_z = grad_out.clone(), None
-        self.h, self.half_h = 1.0 / steps, 0.5 / steps
+        # h and h/2 times L: the graphs evaluate delta = F / L, whose cotangent is L times F's
+        self.h, self.half_h = float(2 * half_step(stage)), float(half_step(stage))
 
-    def at(self, m: int) -> tuple[Tensor | None, Tensor]:
-        """Cotangents of the evaluations at z_m: (cA_m, cB_{m-1}); moves λy to y_m."""
-        if self.lam_z is None:
-            return None, self.lam_y * self.half_h
+    def at(self, m: int, serves: list[tuple[bool, bool]]) -> list[Tensor]:
+        """The cotangent of each evaluation at z_m, given what it serves (starts, ends a step).
+
+        cA_m = h λz_{m+1} + h/2 λy_{m+1} and cB_{m-1} = h/2 λy_m; moves λy to y_m. A shared
+        evaluation gets their sum, h λy_m (two passes instead of five).
+        """
+        if self.lam_z is None:  # m = N: only B_{N-1}
+            return [self.lam_y * self.half_h]
+        if serves == [(True, True)]:
+            self.lam_y.add_(self.lam_z, alpha=2)
+            return [self.lam_y * self.h]
         cot_start = torch.mul(self.lam_z, self.h).add_(self.lam_y, alpha=self.half_h)
         self.lam_y.add_(self.lam_z, alpha=2)
-        return cot_start, self.lam_y * self.half_h
+        return [cot_start if starts else self.lam_y * self.half_h for starts, _ in serves]
 
     def step(self, grad_z: Tensor | None) -> None:
         """λz_m = -λz_{m+1} + (the VJP's gradient w.r.t. z_m)."""

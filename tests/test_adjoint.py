@@ -6,6 +6,7 @@ import copy
 import itertools
 import math
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -357,8 +358,8 @@ def test_reversible_forward_evaluates_the_fields_the_unrolled_graph_does(monkeyp
     stage = digits_stage(0, torch.float32, knots="native", steps="native", basis=basis)
     stage.configure(integrator="reversible_heun", backward="reversible")
     graphs = []
-    field_graph = reversible.field_graph
-    monkeypatch.setattr(reversible, "field_graph", lambda *a: graphs.append(a) or field_graph(*a))
+    delta_graph = reversible.delta_graph
+    monkeypatch.setattr(reversible, "delta_graph", lambda *a: graphs.append(a) or delta_graph(*a))
     stage(stage_input(stage, 2, torch.float32))  # forward only: backward evaluates each field again
     expected = {"constant": 2 * stage.steps, "linear": stage.steps + 1}[basis]
     assert len(graphs) == emit.count_evaluations(stage) == expected
@@ -468,7 +469,7 @@ def test_a_nan_sample_leaves_the_clean_samples_gradients_exact(integrator, mode)
 def test_reversible_lattice_holds_states_exactly_up_to_its_bound() -> None:
     """Counts below 2^52 are kept exactly (in the narrowest integer type); at 2^52 or non-finite, refused."""
     x = torch.ones(2, 3)
-    lattice = reversible._Lattice(x, steps=4)
+    lattice = reversible._Lattice(x, Fraction(1, 8))
     for y_count, d_count, d_type in [
         (2.0**52 - 2**32, 2**31 - 1, torch.int32),
         (1e6, 2.0**40, torch.float64),
