@@ -238,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
         "0 when the data's classes differ from the model's)",
     )
     finetune.add_argument(
+        "--ema-decay",
+        type=_ema_decay,
+        metavar="DECAY",
+        help="keep an exponential moving average of the weights, its decay at most DECAY in [0, 1) after "
+        "timm's warm-up, and save the average; 'none' or 0: no average (default: the recipe's, none)",
+    )
+    finetune.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its last completed epoch"
     )
     finetune.add_argument(
@@ -480,6 +487,16 @@ def _fraction(text: str) -> float:
     value = _float(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"expected a number from 0 to 1; got {text!r}")
+    return value
+
+
+def _ema_decay(text: str) -> float:
+    """A decay in [0, 1), or 'none' (no weight average), which is 0."""
+    if text.lower() == "none":
+        return 0.0
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) or 'none'; got {text!r}")
     return value
 
 

@@ -483,7 +483,7 @@ RECORDED = (
 )
 
 
-RECIPE_FLAGS = ("epochs", "lr", "weight_decay", "batch_size", "distill")
+RECIPE_FLAGS = ("epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay")
 
 
 def run_finetune(args: argparse.Namespace) -> int:

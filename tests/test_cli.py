@@ -329,14 +329,19 @@ def test_plot_weight_path(converted_file: Path, tmp_path: Path) -> None:
     assert out.read_bytes().startswith(PNG)
 
 
-def test_finetune_then_eval(converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("ema", [[], ["--ema-decay", "0.9"]], ids=["recipe", "ema"])
+def test_finetune_then_eval(
+    converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], ema: list[str]
+) -> None:
     run = tmp_path / "run"
     argv = ["finetune", str(converted_file), "--data", "digits", "--steps", "1", "--epochs", "1",
-            "--max-batches", "2", "--batch-size", "16", "--out", str(run)]  # fmt: skip
+            "--max-batches", "2", "--batch-size", "16", "--out", str(run), *ema]  # fmt: skip
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "backward checkpoint" in captured.out and "distilling" in captured.out
     last = json.loads((run / "history.json").read_text())[-1]
+    if ema:  # the saved model is the weight average; the last step's weights are validated too
+        assert last["val_accuracy_raw"] is not None and "weight average" in captured.out
     assert main(["eval", str(run / "last.safetensors"), "--data", "digits", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["accuracy"] == pytest.approx(last["val_accuracy"])
     assert main(argv) == 2  # the folder holds a run: continue it with --resume or pick another
@@ -408,6 +413,7 @@ def test_bad_input_exits_2_with_one_paragraph(
         ["finetune", "--data", "digits", "--epochs", "0"],
         ["finetune", "--data", "digits", "--refine-at", "two"],
         ["finetune", "--data", "digits", "--distill", "2"],
+        ["finetune", "--data", "digits", "--ema-decay", "1"],
         ["sweep", "--data", "digits", "--integrators", "euler,nope"],
         ["sweep", "--data", "digits", "--steps", "1,,x0"],
         ["eval", "--data", "digits", "--batch-size", "-3"],

@@ -17,12 +17,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from safetensors import safe_open
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Dataset, TensorDataset
 
 import odeify
@@ -30,8 +32,10 @@ from odeify.datasets import LabelledData, open_data
 from odeify.finetune import (
     BEST_FILE,
     DEFAULT_RECIPE,
+    EMA_WARMUP_POWER,
     LAST_FILE,
     STATE_FILE,
+    STATE_KEY,
     TrainingDiverged,
     finetune,
     learning_rate_factor,
@@ -96,7 +100,17 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_zero() -> None
 
 @pytest.mark.parametrize(
     "change",
-    [{"epochs": 0}, {"lr": 0.0}, {"lr": math.nan}, {"warmup": 1.0}, {"weight_decay": -1.0}, {"distill": 2.0}],
+    [
+        {"epochs": 0},
+        {"lr": 0.0},
+        {"lr": math.nan},
+        {"warmup": 1.0},
+        {"weight_decay": -1.0},
+        {"distill": 2.0},
+        {"ema_decay": 1.0},
+        {"ema_decay": -0.1},
+        {"ema_decay": math.nan},
+    ],
 )
 def test_recipe_refuses_bad_settings(change: dict) -> None:
     with pytest.raises(odeify.ConfigError, match=next(iter(change))):
@@ -166,38 +180,39 @@ class CrashAfter(Dataset):
         return self.base[index]
 
 
+@pytest.mark.parametrize(
+    ("ema_decay", "refine_at", "crash_in"),
+    [
+        (None, [], 1.5),
+        (0.9, [2], 2.5),
+    ],  # with a weight average: crash after a refinement, which resume replays
+    ids=["plain", "ema-refined"],
+)
 def test_resume_after_a_crash_mid_epoch_matches_an_uninterrupted_run(
-    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+    native: torch.nn.Module,
+    digits: LabelledData,
+    tmp_path: Path,
+    ema_decay: float | None,
+    refine_at: list[int],
+    crash_in: float,
 ) -> None:
-    recipe = replace(QUICK, epochs=3)
-    whole = finetune(
-        coarse(native), digits, recipe, out=tmp_path / "a", max_batches=BATCHES, log=quiet, progress=False
-    )
-    crashing = replace(digits, train=CrashAfter(digits.train, limit=int(1.5 * BATCHES * recipe.batch_size)))
+    recipe = replace(QUICK, epochs=3, ema_decay=ema_decay)
+    common = {"refine_at": refine_at, "max_batches": BATCHES, "log": quiet, "progress": False}
+    whole = finetune(coarse(native), digits, recipe, out=tmp_path / "a", **common)
+    limit = int(crash_in * (BATCHES + 1) * recipe.batch_size)  # an epoch reads the batch it stops at
+    crashing = replace(digits, train=CrashAfter(digits.train, limit=limit))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        finetune(
-            coarse(native),
-            crashing,
-            recipe,
-            out=tmp_path / "b",
-            max_batches=BATCHES,
-            log=quiet,
-            progress=False,
-        )
-    assert odeify.load(tmp_path / "b" / LAST_FILE) is not None  # epoch 1's files survived the crash
-    resumed = finetune(
-        coarse(native),
-        digits,
-        recipe,
-        out=tmp_path / "b",
-        resume=True,
-        max_batches=BATCHES,
-        log=quiet,
-        progress=False,
-    )
+        finetune(coarse(native), crashing, recipe, out=tmp_path / "b", **common)
+    assert odeify.load(tmp_path / "b" / LAST_FILE) is not None  # the last epoch's files survived the crash
+    assert _completed_epoch(tmp_path / "b") == int(crash_in)
+    resumed = finetune(coarse(native), digits, recipe, out=tmp_path / "b", resume=True, **common)
     assert [r.epoch for r in resumed.history] == [0, 1, 2, 3]
-    assert [r.val_accuracy for r in resumed.history] == [r.val_accuracy for r in whole.history]
+    untimed = [{**asdict(r), "seconds": None} for r in resumed.history]
+    assert untimed == [{**asdict(r), "seconds": None} for r in whole.history]
+    assert (resumed.history[-1].val_accuracy_raw is None) == (ema_decay is None)
     assert_same_tensors(tensors(tmp_path / "a" / LAST_FILE), tensors(tmp_path / "b" / LAST_FILE))
+    # the training state too: raw weights, weight average (``ema.*``) and optimizer moments
+    assert_same_tensors(tensors(tmp_path / "a" / STATE_FILE), tensors(tmp_path / "b" / STATE_FILE))
 
 
 def test_resume_refuses_other_settings(native: torch.nn.Module, digits: LabelledData, tmp_path: Path) -> None:
@@ -217,6 +232,80 @@ def test_resume_refuses_other_settings(native: torch.nn.Module, digits: Labelled
         )
     with pytest.raises(odeify.ConfigError, match="does not exist"):
         finetune(coarse(native), digits, QUICK, out=tmp_path / "none", resume=True, log=quiet, progress=False)
+
+
+def test_a_state_recorded_before_a_recipe_field_existed_resumes(
+    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+) -> None:
+    """A run saved by an odeify without ``ema_decay`` ran without an average: it resumes, as the same run."""
+    recipe = replace(QUICK, epochs=2)
+    common = {"max_batches": BATCHES, "log": quiet, "progress": False}
+    finetune(coarse(native), digits, recipe, out=tmp_path / "a", **common)
+    limit = int(1.5 * (BATCHES + 1) * recipe.batch_size)  # a crash in epoch 2
+    crashing = replace(digits, train=CrashAfter(digits.train, limit=limit))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        finetune(coarse(native), crashing, recipe, out=tmp_path / "b", **common)
+    path = tmp_path / "b" / STATE_FILE
+    with safe_open(str(path), framework="pt") as handle:
+        record = json.loads(handle.metadata()[STATE_KEY])
+    del record["run"]["recipe"]["ema_decay"]  # as the older version wrote it
+    path.write_bytes(safetensors.torch.save(tensors(path), metadata={STATE_KEY: json.dumps(record)}))
+    resumed = finetune(coarse(native), digits, recipe, out=tmp_path / "b", resume=True, **common)
+    assert [r.epoch for r in resumed.history] == [0, 1, 2]
+    assert_same_tensors(tensors(tmp_path / "a" / LAST_FILE), tensors(tmp_path / "b" / LAST_FILE))
+
+
+# -- weight average (EMA) --------------------------------------------------------------------------
+def test_weight_average_follows_timms_warmed_up_ema_of_the_raw_weights(
+    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+) -> None:
+    """The returned and saved model is the EMA of the weights after each optimizer step, computed by hand."""
+    model = coarse(native)
+    trajectory: list[dict[str, torch.Tensor]] = []
+
+    def snapshot(*_: object) -> None:
+        trajectory.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    recipe = replace(QUICK, ema_decay=0.5)  # the warm-up's decay exceeds 0.5 from step 3: both regimes
+    handle = register_optimizer_step_post_hook(snapshot)
+    try:
+        result = finetune(model, digits, recipe, out=tmp_path, max_batches=BATCHES, log=quiet, progress=False)
+    finally:
+        handle.remove()
+    assert len(trajectory) == recipe.epochs * BATCHES
+    expected = {k: v.double() for k, v in trajectory[0].items()}  # step 1: the average is the weights
+    for step, weights in enumerate(trajectory[1:], start=2):
+        decay = min(recipe.ema_decay, 1 - step**-EMA_WARMUP_POWER)
+        for k, v in weights.items():
+            expected[k] = decay * expected[k] + (1 - decay) * v.double() if v.is_floating_point() else v
+    average = result.model.state_dict()
+    assert average.keys() == expected.keys()
+    for name, value in average.items():
+        torch.testing.assert_close(value.double(), expected[name], rtol=0, atol=1e-6, msg=name)
+    assert not torch.equal(average["fc.weight"], model.state_dict()["fc.weight"])  # not the raw weights
+    assert_same_tensors(tensors(tmp_path / LAST_FILE), {k: v.contiguous() for k, v in average.items()})
+    last = result.history[-1]
+    assert last.val_accuracy == pytest.approx(accuracy(odeify.load(tmp_path / LAST_FILE), digits.val))
+    assert last.val_accuracy_raw == pytest.approx(accuracy(model, digits.val))
+
+
+def test_refine_at_refines_the_weight_average_too(
+    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+) -> None:
+    model = coarse(native)
+    recipe = replace(QUICK, ema_decay=0.9)
+    result = finetune(
+        model, digits, recipe, out=tmp_path, refine_at=[2], max_batches=BATCHES, log=quiet, progress=False
+    )
+    shapes = {k: v.shape for k, v in result.model.state_dict().items()}
+    assert result.history[-1].knots == {"layer1": 8, "layer2": 6}
+    state = tensors(tmp_path / STATE_FILE)
+    raw = {k[len("model.") :]: v.shape for k, v in state.items() if k.startswith("model.")}
+    assert {k[len("ema.") :]: v.shape for k, v in state.items() if k.startswith("ema.")} == raw == shapes
+    assert [s.num_knots for s in odeify.converted_stages(result.model)] == [8, 6]
+    last = odeify.load(tmp_path / LAST_FILE)
+    assert result.history[-1].val_accuracy == pytest.approx(accuracy(last, digits.val))
+    assert result.history[-1].val_accuracy_raw is not None
 
 
 # -- divergence ------------------------------------------------------------------------------------
