@@ -17,10 +17,10 @@ manifestation. The recipe that meets the target on all four
 (within 0.5 point of the source model, never below the start) at the lowest cost becomes
 ``odeify.finetune.DEFAULT_RECIPE``. Writes benchmarks/results/finetune.md and finetune.png.
 
-    python benchmarks/finetune.py                 # all candidates (about 30 minutes on 1 thread)
+    python benchmarks/finetune.py                 # all candidates (10 minutes on 1 thread, quiet machine)
     python benchmarks/finetune.py --only default  # the default recipe only
     python benchmarks/finetune.py --only default --seeds 8 --output benchmarks/results/finetune_seeds.md
-    python benchmarks/finetune.py --only ema --seeds 8 --output /tmp/ema_seeds.md  # weight-average recipes
+    python benchmarks/finetune.py --only ema --seeds 8 --output benchmarks/results/finetune_ema_seeds.md
 """
 
 from __future__ import annotations
