@@ -562,7 +562,8 @@ class _Trainer:
         """
         if self.procs.is_main:
             _check_finite_weights(self.model, epoch)
-            _check_finite_weights(self.output, epoch)
+            if self.ema is not None:
+                _check_finite_weights(self.output, epoch)
             _write_state(folder / STATE_FILE, self, epoch, history, run)
             save(self.output, folder / LAST_FILE)
             if improved:
@@ -692,9 +693,9 @@ def _epoch_line(record: EpochRecord, epochs: int, best_before: float, folder: Pa
 # -- the resumable training state ------------------------------------------------------------------
 def _write_state(path: Path, trainer: _Trainer, epoch: int, history: list[EpochRecord], run: dict) -> None:
     """Model, weight average and optimizer tensors and a JSON record in one safetensors file (no pickles)."""
-    tensors = {f"model.{k}": v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+    tensors = _prefixed("model.", trainer.model)
     if trainer.ema is not None:
-        tensors |= {f"ema.{k}": v.detach().cpu().clone() for k, v in trainer.ema.module.state_dict().items()}
+        tensors |= _prefixed("ema.", trainer.ema.module)
         rng = _ema_rng(trainer.ema)
         if rng is not None:
             tensors["ema_rng"] = rng.get_state()
@@ -717,6 +718,16 @@ def _write_state(path: Path, trainer: _Trainer, epoch: int, history: list[EpochR
     }
     data = safetensors.torch.save(tensors, metadata={STATE_KEY: json.dumps(record)})
     atomic_write_bytes(path, data)
+
+
+def _prefixed(prefix: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict on the CPU, each name under ``prefix`` (one file holds several)."""
+    return {prefix + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _unprefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict :func:`_prefixed` wrote under ``prefix``."""
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def _read_state(path: Path) -> dict:
@@ -747,8 +758,8 @@ def _read_state(path: Path) -> dict:
     for index, values in record["optimizer_scalars"].items():
         state.setdefault(int(index), {}).update(values)
     record["run"] = _with_recipe_defaults(record["run"])
-    record["model"] = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-    record["ema"] = {k[len("ema.") :]: v for k, v in tensors.items() if k.startswith("ema.")}
+    record["model"] = _unprefixed("model.", tensors)
+    record["ema"] = _unprefixed("ema.", tensors)
     record["ema_rng"] = tensors.get("ema_rng")
     record["optimizer"] = {"state": state, "param_groups": record["param_groups"]}
     return record

@@ -191,20 +191,19 @@ class _Lattice:
         return self.buffer(like).copy_(field).mul_(self.increment_scale).round_()
 
     @_profiled
-    def value(self, counts: Tensor, reuse: bool = True) -> Tensor:
-        """The lattice point ``counts * q`` rounded to the input's dtype.
+    def value(self, counts: Tensor, reuse: bool = False) -> Tensor:
+        """The lattice point ``counts * q`` rounded to the input's dtype (a new tensor).
 
-        With ``reuse``, in one buffer that the next call overwrites: the field evaluation at a
-        point is done (and its VJP taken) before the walk moves on.
+        With ``reuse``, in one buffer that the next such call overwrites: for the walks, whose
+        field evaluation at a point (and its VJP) is done before they move on.
         """
         if not self._via_dtype:
             return torch.mul(counts, self.quantum).to(self.dtype)
-        if not reuse or self._point is None:
-            point = torch.empty_like(counts, dtype=self.dtype)
-            self._point = point if reuse else self._point
-        else:
-            point = self._point
-        return point.copy_(counts).mul_(self._quantum_in_dtype)
+        if not reuse:
+            return counts.to(self.dtype).mul_(self._quantum_in_dtype)
+        if self._point is None:
+            self._point = torch.empty_like(counts, dtype=self.dtype)
+        return self._point.copy_(counts).mul_(self._quantum_in_dtype)
 
     @staticmethod
     @_profiled
@@ -366,7 +365,7 @@ class _ReversiblePass:
         u = y  # y_N; then, going back, u_{m-1} = y_m - b_{m-1} and y_m = u_m - a_m (see _integrate)
         lam = _Cotangents(grad_out, self.stage)
         for m in range(self.steps, -1, -1):
-            for value, times in self._point(m, lattice.value(z), lam):
+            for value, times in self._point(m, lattice.value(z, reuse=True), lam):
                 increment = lattice.increment(value, u)
                 lattice.add(u, increment, -times)
                 lattice.release(increment)
