@@ -27,6 +27,7 @@ from odeify.digits import DIGITS_ARCH, digits_resnet
 from odeify.errors import ModelLoadError
 
 __all__ = [
+    "DATA_CONFIG_KEYS",
     "HUB_PREFIXES",
     "ODEIFY_ARCHS",
     "ArchSpec",
@@ -42,6 +43,26 @@ __all__ = [
 
 ODEIFY_ARCHS: dict[str, Callable[..., nn.Module]] = {DIGITS_ARCH: digits_resnet}
 HUB_PREFIXES = ("hf-hub:", "hf_hub:", "local-dir:")  # timm names that fetch a config before building
+DATA_CONFIG_KEYS: dict[str, type] = {
+    "tag": str,
+    "input_size": list,
+    "test_input_size": list,
+    "min_input_size": list,
+    "fixed_input_size": bool,
+    "interpolation": str,
+    "crop_pct": float,
+    "test_crop_pct": float,
+    "crop_mode": str,
+    "mean": list,
+    "std": list,
+    "num_classes": int,
+    "first_conv": str,
+    "classifier": str,
+    "pool_size": list,
+    "license": str,
+}
+"""The pretrained_cfg entries a file may carry (what timm.data and timm's heads read), with their JSON
+types: read from checkpoint folders' configs and kept in saved converted models."""
 
 ArchSpec = tuple[str, dict[str, Any]]
 """``(name, kwargs)``: what rebuilds an architecture, as JSON-able data."""

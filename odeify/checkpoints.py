@@ -36,7 +36,14 @@ from safetensors import safe_open
 from timm.models import clean_state_dict
 from torch import Tensor, nn
 
-from odeify.archs import HUB_PREFIXES, check_arch_name, check_file_kwargs, is_arch_name, unknown_name_error
+from odeify.archs import (
+    DATA_CONFIG_KEYS,
+    HUB_PREFIXES,
+    check_arch_name,
+    check_file_kwargs,
+    is_arch_name,
+    unknown_name_error,
+)
 from odeify.errors import ModelLoadError, OdeifyError
 from odeify.fileio import atomic_write_bytes
 
@@ -277,30 +284,10 @@ def _read_hf_folder(path: Path) -> Checkpoint:
     return Checkpoint(path, "Hugging Face-style folder", inner.state_dict, arch, kwargs, cfg)
 
 
-_DATA_KEYS = {
-    "input_size": list,
-    "test_input_size": list,
-    "min_input_size": list,
-    "fixed_input_size": bool,
-    "interpolation": str,
-    "crop_pct": float,
-    "test_crop_pct": float,
-    "crop_mode": str,
-    "mean": list,
-    "std": list,
-    "num_classes": int,
-    "first_conv": str,
-    "classifier": str,
-    "pool_size": list,
-    "tag": str,
-    "license": str,
-}
-
-
 def _data_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The data-config entries of a folder's pretrained_cfg (short values of the expected types)."""
     out: dict[str, Any] = {}
-    for key, kind in _DATA_KEYS.items():
+    for key, kind in DATA_CONFIG_KEYS.items():
         value = cfg.get(key)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)

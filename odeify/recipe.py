@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.archs import arch_spec, check_arch_name, check_file_kwargs
+from odeify.archs import DATA_CONFIG_KEYS, arch_spec, check_arch_name, check_file_kwargs
 from odeify.bases import BASES, MAX_KNOTS
 from odeify.errors import ModelLoadError
 from odeify.passes.segments import has_segments
@@ -310,25 +310,7 @@ def integrator_of(spec: str | Mapping[str, Any]) -> Any:
     return Tableau.create(spec["name"], spec["a"], spec["b"], order=spec["order"])
 
 
-_DATA_KEYS: dict[str, type] = {
-    "architecture": str,
-    "tag": str,
-    "input_size": list,
-    "test_input_size": list,
-    "min_input_size": list,
-    "fixed_input_size": bool,
-    "interpolation": str,
-    "crop_pct": float,
-    "test_crop_pct": float,
-    "crop_mode": str,
-    "mean": list,
-    "std": list,
-    "num_classes": int,
-    "first_conv": str,
-    "classifier": str,
-    "pool_size": list,
-    "license": str,
-}
+_DATA_KEYS: dict[str, type] = {"architecture": str, **DATA_CONFIG_KEYS}
 
 
 def _data_cfg(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -195,14 +196,18 @@ def test_pretrained_offline_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPa
         load_model("resnet18", pretrained=True)
     assert time.perf_counter() - started < 3
 
+    answered = threading.Event()
+
     def silent(*args: object, **kwargs: object) -> None:
-        time.sleep(30)
+        answered.wait(30)  # a hub that never answers; then times out as urlopen does
+        raise TimeoutError("timed out")
 
     monkeypatch.setattr(urllib.request, "urlopen", silent)
     started = time.perf_counter()
     with pytest.raises(ModelLoadError, match="did not answer within 2 s"):
         load_model("resnet18", pretrained=True)
     assert time.perf_counter() - started < odeify.loading.PROBE_TIMEOUT_S + 2
+    answered.set()  # let the abandoned probe thread end now, not in a later test
 
 
 def test_pretrained_weights_in_the_local_cache_load_without_network(
