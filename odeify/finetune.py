@@ -730,8 +730,8 @@ def _unprefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, t
     return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def _read_state(path: Path) -> dict:
-    """The training state at ``path`` as plain dicts: model, average and optimizer state dicts, epoch, run."""
+def _read_record(path: Path) -> dict:
+    """The JSON record of the training state at ``path`` (epoch, history, run; no tensors read)."""
     if not path.is_file():
         raise ConfigError(
             f"cannot resume: {path} does not exist. --resume continues a run whose --out folder holds the "
@@ -740,16 +740,29 @@ def _read_state(path: Path) -> dict:
     try:
         with safe_open(str(path), framework="pt") as handle:
             record = json.loads((handle.metadata() or {})[STATE_KEY])
+    except Exception as exc:  # safetensors raises its own error types for malformed files
+        raise ConfigError(
+            f"cannot resume: {path} is not a training state written by odeify finetune ({exc})."
+        ) from exc
+    if not isinstance(record, dict) or record.get("version") != STATE_VERSION:
+        version = record.get("version") if isinstance(record, dict) else None
+        raise ConfigError(
+            f"cannot resume: {path} has training-state version {version}, this odeify reads version "
+            f"{STATE_VERSION}."
+        )
+    record["run"] = _with_recipe_defaults(record["run"])
+    return record
+
+
+def _read_state(path: Path) -> dict:
+    """The training state at ``path`` as plain dicts: model, average and optimizer state dicts, epoch, run."""
+    record = _read_record(path)
+    try:
         tensors = safetensors.torch.load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types for malformed files
         raise ConfigError(
             f"cannot resume: {path} is not a training state written by odeify finetune ({exc})."
         ) from exc
-    if record.get("version") != STATE_VERSION:
-        raise ConfigError(
-            f"cannot resume: {path} has training-state version {record.get('version')}, this "
-            f"odeify reads version {STATE_VERSION}."
-        )
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):
@@ -757,7 +770,6 @@ def _read_state(path: Path) -> dict:
             state.setdefault(int(index), {})[name] = value
     for index, values in record["optimizer_scalars"].items():
         state.setdefault(int(index), {}).update(values)
-    record["run"] = _with_recipe_defaults(record["run"])
     record["model"] = _unprefixed("model.", tensors)
     record["ema"] = _unprefixed("ema.", tensors)
     record["ema_rng"] = tensors.get("ema_rng")
@@ -767,17 +779,7 @@ def _read_state(path: Path) -> dict:
 
 def read_run(folder: str | os.PathLike[str]) -> dict:
     """The settings recorded with the run in ``folder`` (its ``run_info`` plus recipe, seed, refine_at)."""
-    path = Path(folder) / STATE_FILE
-    if not path.is_file():
-        _read_state(path)  # raises the "cannot resume" error
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            run = json.loads((handle.metadata() or {})[STATE_KEY])["run"]
-    except Exception as exc:  # safetensors raises its own error types for malformed files
-        raise ConfigError(
-            f"cannot resume: {path} is not a training state written by odeify finetune ({exc})."
-        ) from exc
-    return _with_recipe_defaults(run)
+    return _read_record(Path(folder) / STATE_FILE)["run"]
 
 
 def _with_recipe_defaults(run: dict) -> dict:
