@@ -21,11 +21,18 @@ manifestation. The recipe that meets the target on all four
     python benchmarks/finetune.py --only default  # the default recipe only
     python benchmarks/finetune.py --only default --seeds 8 --output benchmarks/results/finetune_seeds.md
     python benchmarks/finetune.py --only ema --seeds 8 --output benchmarks/results/finetune_ema_seeds.md
+
+Models like the shipped one (the same net trained with another seed by examples/train_digits.py):
+
+    python examples/train_digits.py --seed 1 --out /tmp/digits_seed1.safetensors
+    python benchmarks/finetune.py --only default --seeds 3 --model /tmp/digits_seed1.safetensors \
+        --output benchmarks/results/finetune_digits_seed1.md
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
 import sys
@@ -36,10 +43,12 @@ from pathlib import Path
 import torch
 from machine import describe_machine
 from matplotlib.figure import Figure
+from safetensors import safe_open
 from tables import markdown_table
 
 import odeify
 from odeify.datasets import open_data
+from odeify.digits import META_DIGITS
 from odeify.evaluate import evaluate, saved_for_backward
 from odeify.fileio import atomic_path, atomic_write_bytes
 from odeify.finetune import DEFAULT_RECIPE, Recipe, finetune
@@ -99,6 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady when busy)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for the repeated recipes")
     parser.add_argument("--output", type=Path, default=RESULTS / "finetune.md", help="Markdown and .png")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL_PATH,
+        help="the trained digits model to convert (default: the shipped one)",
+    )
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
@@ -106,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
-    source = odeify.load_model(DEFAULT_MODEL_PATH)
-    native = odeify.convert(str(DEFAULT_MODEL_PATH))
+    source = odeify.load_model(args.model)
+    native = odeify.convert(str(args.model))
     data = open_data("digits", native)
     source_accuracy = evaluate(source, torch.utils.data.DataLoader(data.val, batch_size=256)).accuracy
     runs = [(label, 0) for label in CANDIDATES] + [(label, seed) for label in REPEATED for seed in seeds[1:]]
@@ -134,11 +149,20 @@ def main(argv: list[str] | None = None) -> None:
         )
         for label, settings in MANIFESTATIONS.items()
     }
-    lines = report(results, memory, source_accuracy, time.perf_counter() - started, seeds, args.output)
+    lines = report(
+        results, memory, source_accuracy, time.perf_counter() - started, seeds, args.output, args.model
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(args.output, ("\n".join(lines) + "\n").encode())
     plot(results, source_accuracy, args.output.with_suffix(".png"))
     print("\n".join(lines))
+
+
+def _training_seed(path: Path) -> int | None:
+    """The training seed ``examples/train_digits.py`` recorded in a digits model's metadata."""
+    with safe_open(path, "pt") as f:
+        record = json.loads((f.metadata() or {}).get(META_DIGITS, "{}"))
+    return record.get("train_seed")
 
 
 def _quiet(_: str) -> None:
@@ -162,8 +186,18 @@ def _meets(history: list, source_accuracy: float) -> bool:
 
 
 def report(
-    results: dict, memory: dict, source_accuracy: float, seconds: float, seeds: range, output: Path
+    results: dict,
+    memory: dict,
+    source_accuracy: float,
+    seconds: float,
+    seeds: range,
+    output: Path,
+    model: Path,
 ) -> list[str]:
+    model_name = model.name
+    source_story = f"`examples/train_digits.py --seed {_training_seed(model)}`"
+    if model == DEFAULT_MODEL_PATH:
+        source_story = f"the shipped model, {source_story}"
     command = "python benchmarks/finetune.py" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     recipes = list(dict.fromkeys(label for label, _, _ in results))
     lines = [
@@ -172,15 +206,16 @@ def report(
         f"Command: `{command}` ({seconds / 60:.0f} min)  ",
         f"Machine: {describe_machine()}",
         "",
-        f"Source model: `{DEFAULT_MODEL_PATH.name}`, {100 * source_accuracy:.2f}% on the 359 held-out test "
-        f"digits. Target: every manifestation ends at >= {100 * (source_accuracy - TARGET_GAP):.2f}% (within "
-        "0.5 point; one test digit is 0.28 point) and never below where it started. 'after' is the last "
-        "epoch's model, not the best one (the test split selects nothing). Each run starts from the same "
-        "coarse model, trains with `odeify.finetune.finetune` (the loop of `odeify finetune`), batch 64, "
-        "and distills, where the recipe does, from the converted model at native depth (the source "
-        "network, exactly). With a weight average (EMA), 'after' is the average's accuracy, which is the "
-        "model the run returns and saves; the last step's weights' follows in parentheses (the same "
-        "training as the recipe without EMA).",
+        f"Source model: `{model_name}` ({source_story}), {100 * source_accuracy:.2f}% on the 359 "
+        "held-out test digits. Target: every manifestation ends at >= "
+        f"{100 * (source_accuracy - TARGET_GAP):.2f}% (within 0.5 point; one test digit is 0.28 point) "
+        "and never below where it started. 'after' is the last epoch's model, not the best one (the test "
+        "split selects nothing). Each run starts from the same coarse model, trains with "
+        "`odeify.finetune.finetune` (the loop of `odeify finetune`), batch 64, and distills, where the "
+        "recipe does, from the converted model at native depth (the source network, exactly). With a "
+        "weight average (EMA), 'after' is the average's accuracy, which is the model the run returns and "
+        "saves; the last step's weights' follows in parentheses (the same training as the recipe without "
+        "EMA).",
         "",
         "## Candidates (seed 0)",
         "",
