@@ -22,6 +22,9 @@ graphs, allocates the gradients), one measured step, ``--repeats`` timed steps. 
   manifestation (same integrator, basis and steps), computed in the same process after timing;
 - fp32 band (reversible rows, native steps): that backprop run on one thread against itself on
   all threads: how far apart two correct fp32 gradients of this model already are;
+- vs fp64, backprop vs fp64 (the same rows): this row's gradients and fp32 backprop's against
+  backprop of the same model in float64 (the exact gradient, to round-off): whether the memory-free
+  gradient is as accurate as the one the user would otherwise get;
 - fallbacks: backward passes that could not stay memory-free (reverse: reconstruction failed;
   reversible: the state could not be kept exactly), out of all passes the process ran.
 
@@ -33,20 +36,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from child import report_to_parent, run_child
 from machine import describe_machine
 from memory import SavedBytes, reset_peak_rss, rss
 from rich.console import Console
@@ -108,6 +110,8 @@ class Result:
     cpu_times: list[float]
     grad_error: float = math.nan
     band: float = math.nan  # fp32 backprop on 1 thread against itself on all threads
+    truth_error: float = math.nan  # this row's gradients against fp64 backprop
+    backprop_truth_error: float = math.nan  # fp32 backprop's against fp64 backprop
     fallbacks: int = 0
     passes: int = 0
     profile: dict[str, float] = field(default_factory=dict)
@@ -144,11 +148,11 @@ def child(args: argparse.Namespace) -> None:
     labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
     saved = SavedBytes(model.parameters())
 
-    def step(count: bool = False) -> tuple[float, float]:
+    def step(count: bool = False, inputs: torch.Tensor = x) -> tuple[float, float]:
         model.zero_grad(set_to_none=True)
         wall, cpu = time.perf_counter(), time.process_time()
         with saved.counting() if count else contextlib.nullcontext():
-            loss = F.cross_entropy(model(x), labels)
+            loss = F.cross_entropy(model(inputs), labels)
         loss.backward()
         return time.perf_counter() - wall, time.process_time() - cpu
 
@@ -186,7 +190,12 @@ def child(args: argparse.Namespace) -> None:
             step()
             torch.set_num_threads(threads)
             result.band = relative_error([p.grad for p in model.parameters()], want)
-    print(json.dumps(asdict(result)))
+            model.double()  # the exact gradient, to round-off: both fp32 methods measured against it
+            step(inputs=x.double())
+            truth = [p.grad.detach() for p in model.parameters()]
+            result.truth_error = relative_error(got, truth)
+            result.backprop_truth_error = relative_error(want, truth)
+    report_to_parent(result)
 
 
 def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -230,14 +239,11 @@ def profile(step) -> dict[str, float]:
 # -- the parent: one process per configuration ------------------------------------------------
 def measure(model: str, row: str, steps: str, repeats: int, profiled: bool) -> Result:
     """Run one configuration in a fresh process and read its result."""
-    command = [
-        sys.executable, __file__, "--child", "--model", model, "--row", row, "--steps", steps,
-        "--repeats", str(repeats), *(["--profile"] if profiled else []),
+    arguments = [
+        "--model", model, "--row", row, "--steps", steps, "--repeats", str(repeats),
+        *(["--profile"] if profiled else []),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{model} / {row} / {steps} failed:\n{done.stderr[-4000:]}")
-    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+    return Result(**run_child(__file__, arguments, f"{model} / {row} / {steps}"))
 
 
 FLAT_ROWS = ("odeify reverse", "odeify reversible", "odeify reversible, linear path")
@@ -260,7 +266,8 @@ def configurations(
 # -- reporting ------------------------------------------------------------------------------------
 HEADERS = (
     "model", "row", "steps", "saved MiB", "saved vs timm", "RSS growth MiB", "step s",
-    "time vs timm", "CPU time vs timm", "grad err", "fp32 band", "fallbacks",
+    "time vs timm", "CPU time vs timm", "grad err", "fp32 band", "vs fp64", "backprop vs fp64",
+    "fallbacks",
 )  # fmt: skip
 
 
@@ -282,6 +289,8 @@ def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
         f"{r.cpu_time / base.cpu_time:.2f}x",
         "-" if math.isnan(r.grad_error) else f"{r.grad_error:.1e}",
         "-" if math.isnan(r.band) else f"{r.band:.1e}",
+        "-" if math.isnan(r.truth_error) else f"{r.truth_error:.1e}",
+        "-" if math.isnan(r.backprop_truth_error) else f"{r.backprop_truth_error:.1e}",
         f"{r.fallbacks}/{r.passes}" if r.passes else "-",
     )
 
@@ -329,6 +338,13 @@ def targets(results: list[Result]) -> list[str]:
         lines.append(
             f"reversible gradients vs backprop of the same manifestation: at most {max(errors):.1e} (fp32)"
         )
+    for r in results:
+        if not math.isnan(r.truth_error):
+            ratio = r.truth_error / r.backprop_truth_error
+            lines.append(
+                f"{r.model}, {r.row}: gradients {r.truth_error:.1e} from fp64 backprop, fp32 backprop "
+                f"{r.backprop_truth_error:.1e} (ratio {ratio:.2f})"
+            )
     return lines
 
 
