@@ -25,7 +25,7 @@ manifestation. The recipe that meets the target on all four
 Models like the shipped one (the same net trained with another seed by examples/train_digits.py):
 
     python examples/train_digits.py --seed 1 --out /tmp/digits_seed1.safetensors
-    python benchmarks/finetune.py --only default --seeds 3 --model /tmp/digits_seed1.safetensors \
+    python benchmarks/finetune.py --only default --seeds 4 --model /tmp/digits_seed1.safetensors \
         --output benchmarks/results/finetune_digits_seed1.md
 """
 
@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 from machine import describe_machine
 from matplotlib.figure import Figure
-from safetensors import safe_open
 from tables import markdown_table
 
 import odeify
+from odeify.checkpoints import read_checkpoint_metadata
 from odeify.datasets import open_data
 from odeify.digits import META_DIGITS
 from odeify.evaluate import evaluate, saved_for_backward
@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _training_seed(path: Path) -> int | None:
     """The training seed ``examples/train_digits.py`` recorded in a digits model's metadata."""
-    with safe_open(path, "pt") as f:
-        record = json.loads((f.metadata() or {}).get(META_DIGITS, "{}"))
-    return record.get("train_seed")
+    return json.loads(read_checkpoint_metadata(path).get(META_DIGITS, "{}")).get("train_seed")
 
 
 def _quiet(_: str) -> None:
@@ -194,7 +192,6 @@ def report(
     output: Path,
     model: Path,
 ) -> list[str]:
-    model_name = model.name
     source_story = f"`examples/train_digits.py --seed {_training_seed(model)}`"
     if model == DEFAULT_MODEL_PATH:
         source_story = f"the shipped model, {source_story}"
@@ -206,7 +203,7 @@ def report(
         f"Command: `{command}` ({seconds / 60:.0f} min)  ",
         f"Machine: {describe_machine()}",
         "",
-        f"Source model: `{model_name}` ({source_story}), {100 * source_accuracy:.2f}% on the 359 "
+        f"Source model: `{model.name}` ({source_story}), {100 * source_accuracy:.2f}% on the 359 "
         "held-out test digits. Target: every manifestation ends at >= "
         f"{100 * (source_accuracy - TARGET_GAP):.2f}% (within 0.5 point; one test digit is 0.28 point) "
         "and never below where it started. 'after' is the last epoch's model, not the best one (the test "
