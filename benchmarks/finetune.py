@@ -49,6 +49,7 @@ import odeify
 from odeify.checkpoints import read_checkpoint_metadata
 from odeify.datasets import open_data
 from odeify.digits import META_DIGITS
+from odeify.errors import OdeifyError
 from odeify.evaluate import evaluate, saved_for_backward
 from odeify.fileio import atomic_path, atomic_write_bytes
 from odeify.finetune import DEFAULT_RECIPE, Recipe, finetune
@@ -121,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
-    source = odeify.load_model(args.model)
+    try:
+        source = odeify.load_model(args.model)
+    except OdeifyError as error:
+        parser.error(f"--model: {error}")
     native = odeify.convert(str(args.model))
     data = open_data("digits", native)
     source_accuracy = evaluate(source, torch.utils.data.DataLoader(data.val, batch_size=256)).accuracy
