@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import shlex
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 from baselines import torchdiffeq_euler_adjoint
 from child import report_to_parent, run_child
-from machine import describe_machine
+from machine import command_line, describe_machine
 from memory import SavedBytes, reset_peak_rss, rss
 from rich.console import Console
 from rich.table import Table
@@ -449,9 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(*cells(r, results))
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
-    command = "python benchmarks/adjoint_memory.py" + "".join(
-        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])
-    )
+    command = command_line(__file__, argv)
     png = args.output.with_suffix(".png")
     text = markdown(results, command, sizes, args.quick, args.repeats, png.name)
     atomic_write_bytes(args.output, text.encode())

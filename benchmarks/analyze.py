@@ -8,7 +8,6 @@ Writes a rich table to the terminal and a Markdown record to benchmarks/results/
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import describe_machine
+from machine import command_line, describe_machine
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(*cells(row))
     Console(width=None if sys.stdout.isatty() else 120).print(table)
 
-    command = "python benchmarks/analyze.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
+    command = command_line(__file__, argv)
     atomic_write_bytes(args.output, markdown(rows, command, args.repeats).encode())
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from machine import describe_machine
+from machine import command_line, describe_machine
 from matplotlib.figure import Figure
 from tables import markdown_table
 
@@ -199,7 +198,7 @@ def report(
     source_story = f"`examples/train_digits.py --seed {_training_seed(model)}`"
     if model == DEFAULT_MODEL_PATH:
         source_story = f"the shipped model, {source_story}"
-    command = "python benchmarks/finetune.py" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
+    command = command_line(__file__)
     recipes = list(dict.fromkeys(label for label, _, _ in results))
     lines = [
         "# Fine-tuning recipe: recovering coarse manifestations of the digits model",

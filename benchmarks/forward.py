@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import describe_machine, machine_info
+from machine import command_line, describe_machine, machine_info
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -233,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=None if sys.stdout.isatty() else 140).print(table)
     print(f"timm median: {original:.3f} s; native ratio: {rows[0].ratio:.2f}x")
 
-    command = "python benchmarks/forward.py" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
+    command = command_line(__file__, argv)
     atomic_write_bytes(args.output, markdown(rows, original, args, command, machine_info()).encode())
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import torch
 from baselines import torchdiffeq_euler_adjoint
-from machine import describe_machine
+from machine import command_line, describe_machine
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -290,9 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(*cells(row))
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
-    command = "python benchmarks/gradient_error.py" + "".join(
-        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])
-    )
+    command = command_line(__file__, argv)
     atomic_write_bytes(args.output, markdown(rows, args.fit, command, args.batch, seconds).encode())
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 from pathlib import Path
 
 import torch
-from machine import describe_machine
+from machine import command_line, describe_machine
 from tables import markdown_table
 
 import odeify
@@ -107,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     images = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     rows += measure("resnet50", make_test_model("resnet50"), images)
     bits = reversible.lattice_bits(torch.float32)
-    command = "python benchmarks/lattice_range.py" + "".join(
-        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])
-    )
+    command = command_line(__file__, argv)
     text = "\n".join(
         [
             "# How large the reversible lattice's counts get",

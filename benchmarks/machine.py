@@ -1,9 +1,12 @@
-"""The machine a benchmark ran on, for its results file: one place for all benchmark scripts."""
+"""The machine a benchmark ran on and the command that ran it, for its results file: one place for all
+benchmark scripts."""
 
 from __future__ import annotations
 
 import os
 import platform
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -37,3 +40,12 @@ def describe_machine(device: str = "cpu", with_load: bool = True) -> str:
         f"{info['threads']} threads, Python {info['python']}"
     )
     return f"{text}; load average (1, 5, 15 min) at the end: {info['load']}" if with_load else text
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """How to rerun a benchmark: ``python benchmarks/<script's name>`` and its arguments, shell-quoted.
+
+    ``script`` is the benchmark's ``__file__``; ``argv`` None means the process's own arguments.
+    """
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", f"benchmarks/{Path(script).name}", *map(shlex.quote, args)])

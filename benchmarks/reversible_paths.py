@@ -20,12 +20,11 @@ reproduce the source. Writes benchmarks/results/reversible_paths.md.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
 import torch
-from machine import describe_machine
+from machine import command_line, describe_machine
 from tables import markdown_table
 
 import odeify
@@ -91,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     images = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0))
     for name in args.models:
         rows += measure(f"{name} (random weights)", make_test_model(name), images, None)
-    command = "python benchmarks/reversible_paths.py" + "".join(
-        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])
-    )
+    command = command_line(__file__, argv)
     text = "\n".join(
         [
             "# Reversible Heun on a piecewise-constant and on a linear weight path: distance to the source",

@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from child import report_to_parent, run_child
-from machine import describe_machine
+from machine import command_line, describe_machine
 from memory import SavedBytes, reset_peak_rss, rss
 from rich.console import Console
 from rich.table import Table
@@ -530,9 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(*cells(r, results))
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
-    command = "python benchmarks/train_step.py" + "".join(
-        f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])
-    )
+    command = command_line(__file__, argv)
     png = args.output.with_suffix(".png")
     text = markdown(results, command, (args.repeats, args.repeats_x4), png.name, load_before, failures)
     atomic_write_bytes(args.output, text.encode())
