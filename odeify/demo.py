@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -201,14 +202,18 @@ def _memory(native: torch.nn.Module, data, out: Path) -> list[str]:
     x, y = next(iter(DataLoader(data.train, batch_size=MEMORY_BATCH)))
     saved: dict[str, list[tuple[int, int]]] = {}
     fell_back = passes = 0  # backward='reverse': passes redone exactly, of all its stage passes
-    for label, settings in MEMORY_MODES.items():
-        for steps in MEMORY_STEPS:
-            model = odeify.retarget(native, steps=steps, **settings)
-            saved.setdefault(label, []).append((steps, saved_for_backward(model, x, y)))
-            if settings["backward"] == "reverse":
-                stats = [stage.adjoint_stats for stage in odeify.converted_stages(model)]
-                fell_back += sum(s.fallbacks for s in stats)
-                passes += sum(s.backward_passes for s in stats)
+    with warnings.catch_warnings():
+        # the report counts reverse's fallbacks below; a warning per stage and depth would only bury
+        # the progress bar (each depth is a new model, so each warns once more)
+        warnings.filterwarnings("ignore", r"odeify: stage .*backward='reverse'", RuntimeWarning)
+        for label, settings in MEMORY_MODES.items():
+            for steps in MEMORY_STEPS:
+                model = odeify.retarget(native, steps=steps, **settings)
+                saved.setdefault(label, []).append((steps, saved_for_backward(model, x, y)))
+                if settings["backward"] == "reverse":
+                    stats = [stage.adjoint_stats for stage in odeify.converted_stages(model)]
+                    fell_back += sum(s.fallbacks for s in stats)
+                    passes += sum(s.backward_passes for s in stats)
     plot_memory(saved, out / "memory.png", title=f"bytes kept for backward, batch {MEMORY_BATCH}")
     rows = [
         (label, *(f"{b / 2**20:.2f}" for _, b in pairs), f"{pairs[-1][1] / pairs[0][1]:.2f}x")
