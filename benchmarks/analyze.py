@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import command_line, describe_machine
+from machine import command_line, provenance
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -127,10 +127,7 @@ def markdown(rows: list[Row], command: str, repeats: int) -> str:
         "",
         verdict(rows) + ".",
         "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {describe_machine()}.",
-        "",
+        *provenance(command),
     ]
     return "\n".join(lines)
 

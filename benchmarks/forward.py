@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import command_line, describe_machine, machine_info
+from machine import command_line, machine_info, provenance
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -193,10 +193,7 @@ def markdown(rows: list[Row], original: float, args: argparse.Namespace, command
         "",
         verdict(rows) + ".",
         "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {describe_machine()}.",
-        "",
+        *provenance(command),
     ]
     return "\n".join(lines)
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
-from machine import command_line, describe_machine
+from machine import command_line, provenance
 from tables import markdown_table
 
 import odeify
@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             *markdown_table(HEADERS, rows, text_columns=2),
             "",
-            f"Command: `{command}`",
-            "",
-            f"Machine: {describe_machine()}.",
-            "",
+            *provenance(command),
         ]
     )
     atomic_write_bytes(args.output, text.encode())

@@ -49,3 +49,8 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     """
     args = sys.argv[1:] if argv is None else argv
     return " ".join(["python", f"benchmarks/{Path(script).name}", *map(shlex.quote, args)])
+
+
+def provenance(command: str) -> list[str]:
+    """A results file's closing lines: the command that wrote it and the machine it ran on."""
+    return [f"Command: `{command}`", "", f"Machine: {describe_machine()}.", ""]

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
-from machine import command_line, describe_machine
+from machine import command_line, provenance
 from tables import markdown_table
 
 import odeify
@@ -107,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             *markdown_table(HEADERS, rows, text_columns=4),
             "",
-            f"Command: `{command}`",
-            "",
-            f"Machine: {describe_machine()}.",
-            "",
+            *provenance(command),
         ]
     )
     atomic_write_bytes(args.output, text.encode())
