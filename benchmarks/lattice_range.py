@@ -19,14 +19,13 @@ import sys
 from pathlib import Path
 
 import torch
-from machine import command_line, provenance
+from machine import command_line, provenance, write_results
 from tables import markdown_table
 
 import odeify
 from odeify import reversible
 from odeify._testing import make_test_model
 from odeify.digits import DEFAULT_MODEL_PATH, load_digits
-from odeify.fileio import atomic_write_bytes
 from odeify.loading import load_model
 from odeify.rerun import ForwardContext
 
@@ -107,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     rows += measure("resnet50", make_test_model("resnet50"), images)
     bits = reversible.lattice_bits(torch.float32)
     command = command_line(__file__, argv)
-    text = "\n".join(
+    write_results(
+        args.output,
         [
             "# How large the reversible lattice's counts get",
             "",
@@ -121,10 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             *markdown_table(HEADERS, rows, text_columns=2),
             "",
             *provenance(command),
-        ]
+        ],
     )
-    atomic_write_bytes(args.output, text.encode())
-    print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,7 @@
-"""The machine a benchmark ran on and the command that ran it, for its results file: one place for all
-benchmark scripts."""
+"""A benchmark's results file: the machine it ran on, the command that ran it, and writing it.
+
+One place for all benchmark scripts.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from odeify.fileio import atomic_write_bytes
 
 
 def machine_info() -> dict[str, str]:
@@ -54,3 +58,9 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
 def provenance(command: str) -> list[str]:
     """A results file's closing lines: the command that wrote it and the machine it ran on."""
     return [f"Command: `{command}`", "", f"Machine: {describe_machine()}.", ""]
+
+
+def write_results(path: Path, lines: list[str]) -> None:
+    """Write a results file atomically (a failed run leaves the previous one intact) and say so."""
+    atomic_write_bytes(path, "\n".join(lines).encode())
+    print(f"wrote {path}", file=sys.stderr)

@@ -24,13 +24,12 @@ import sys
 from pathlib import Path
 
 import torch
-from machine import command_line, provenance
+from machine import command_line, provenance, write_results
 from tables import markdown_table
 
 import odeify
 from odeify._testing import make_test_model
 from odeify.digits import DEFAULT_MODEL_PATH, load_digits
-from odeify.fileio import atomic_write_bytes
 from odeify.loading import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -91,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         rows += measure(f"{name} (random weights)", make_test_model(name), images, None)
     command = command_line(__file__, argv)
-    text = "\n".join(
+    write_results(
+        args.output,
         [
             "# Reversible Heun on a piecewise-constant and on a linear weight path: distance to the source",
             "",
@@ -108,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             *markdown_table(HEADERS, rows, text_columns=4),
             "",
             *provenance(command),
-        ]
+        ],
     )
-    atomic_write_bytes(args.output, text.encode())
-    print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
 
