@@ -144,7 +144,8 @@ def test_mismatched_state_dict_lists_keys_and_fix(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError) as info:
         load_model(path, arch=DIGITS_ARCH, num_classes=5)
     assert "shape mismatch" in str(info.value) and "fc.weight" in str(info.value)
-    with pytest.raises(ModelLoadError) as info:
+    # the head and stem sizes are read from the file, and the user is told so
+    with pytest.raises(ModelLoadError) as info, pytest.warns(UserWarning, match="num_classes=10"):
         load_model(path, arch="resnet10t")
     assert "missing keys" in str(info.value) and "unexpected keys" in str(info.value)
 
