@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import command_line, provenance
+from machine import command_line, provenance, write_results
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
 from tqdm import tqdm
 
 import odeify
-from odeify.fileio import atomic_write_bytes
 from odeify.loading import load_model
 
 DEFAULT_MODELS = ("resnet50", "resnet152")
@@ -157,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=None if sys.stdout.isatty() else 120).print(table)
 
     command = command_line(__file__, argv)
-    atomic_write_bytes(args.output, markdown(rows, command, args.repeats).encode())
-    print(f"wrote {args.output}", file=sys.stderr)
+    write_results(args.output, markdown(rows, command, args.repeats))
     return 0
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import command_line, machine_info, provenance
+from machine import command_line, machine_info, provenance, write_results
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -37,7 +37,6 @@ import odeify
 from odeify._testing import make_test_model
 from odeify.conversion import converted_stages
 from odeify.emit import count_evaluations
-from odeify.fileio import atomic_write_bytes
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "forward.md"
 TARGET = 1.00  # converted-native time / original time
@@ -230,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"timm median: {original:.3f} s; native ratio: {rows[0].ratio:.2f}x")
 
     command = command_line(__file__, argv)
-    atomic_write_bytes(args.output, markdown(rows, original, args, command, machine_info()).encode())
-    print(f"wrote {args.output}", file=sys.stderr)
+    write_results(args.output, markdown(rows, original, args, command, machine_info()))
     return 0
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 from baselines import torchdiffeq_euler_adjoint
-from machine import command_line, describe_machine
+from machine import command_line, describe_machine, write_results
 from rich.console import Console
 from rich.table import Table
 from tables import markdown_table
@@ -41,7 +41,6 @@ from tables import markdown_table
 import odeify
 from odeify.adjoint import RECONSTRUCTION_TOLERANCE
 from odeify.digits import DEFAULT_MODEL_PATH, load_digits
-from odeify.fileio import atomic_write_bytes
 from odeify.loading import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -290,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
     command = command_line(__file__, argv)
-    atomic_write_bytes(args.output, markdown(rows, args.fit, command, args.batch, seconds).encode())
-    print(f"wrote {args.output}", file=sys.stderr)
+    write_results(args.output, markdown(rows, args.fit, command, args.batch, seconds))
     return 0
 
 

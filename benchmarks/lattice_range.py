@@ -106,23 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     rows += measure("resnet50", make_test_model("resnet50"), images)
     bits = reversible.lattice_bits(torch.float32)
     command = command_line(__file__, argv)
-    write_results(
-        args.output,
-        [
-            "# How large the reversible lattice's counts get",
-            "",
-            f"fp32 inputs, lattice spacing q = 2^-{bits} of each sample's largest |input| (rounded up to",
-            "a power of two). Counts are log2 of the largest |value| / q over the batch; 'growth' is log2",
-            "of the largest ratio of a sample's max |output| to its max |input|. 'peak z' is the largest",
-            "z along the way. The forward keeps states below 2^52 counts, where the float64 sums are",
-            f"exact (growth below 2^{52 - bits}); the residual of y_N to fp32 and d_N are kept in the",
-            "narrowest integer type that holds them (d: int32 or float64).",
-            "",
-            *markdown_table(HEADERS, rows, text_columns=2),
-            "",
-            *provenance(command),
-        ],
-    )
+    lines = [
+        "# How large the reversible lattice's counts get",
+        "",
+        f"fp32 inputs, lattice spacing q = 2^-{bits} of each sample's largest |input| (rounded up to",
+        "a power of two). Counts are log2 of the largest |value| / q over the batch; 'growth' is log2",
+        "of the largest ratio of a sample's max |output| to its max |input|. 'peak z' is the largest",
+        "z along the way. The forward keeps states below 2^52 counts, where the float64 sums are",
+        f"exact (growth below 2^{52 - bits}); the residual of y_N to fp32 and d_N are kept in the",
+        "narrowest integer type that holds them (d: int32 or float64).",
+        "",
+        *markdown_table(HEADERS, rows, text_columns=2),
+        "",
+        *provenance(command),
+    ]
+    write_results(args.output, "\n".join(lines))
     return 0
 
 

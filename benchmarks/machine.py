@@ -60,7 +60,7 @@ def provenance(command: str) -> list[str]:
     return [f"Command: `{command}`", "", f"Machine: {describe_machine()}.", ""]
 
 
-def write_results(path: Path, lines: list[str]) -> None:
+def write_results(path: Path, text: str) -> None:
     """Write a results file atomically (a failed run leaves the previous one intact) and say so."""
-    atomic_write_bytes(path, "\n".join(lines).encode())
+    atomic_write_bytes(path, text.encode())
     print(f"wrote {path}", file=sys.stderr)

@@ -90,26 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         rows += measure(f"{name} (random weights)", make_test_model(name), images, None)
     command = command_line(__file__, argv)
-    write_results(
-        args.output,
-        [
-            "# Reversible Heun on a piecewise-constant and on a linear weight path: distance to the source",
-            "",
-            "Each model converted with one knot per block, evaluated in float64 without fine-tuning.",
-            "'logit distance' is ||logits - source logits|| / ||source logits|| over the batch; 'top-1",
-            "agreement' the share of images whose top class is the source network's. Random-weight",
-            f"models: {args.batch} standard-normal {args.size}x{args.size} images; digits: the 359",
-            "held-out test images. The constant path's step end reads the left limit (one block per",
-            "step, two evaluations per step); the linear path shares the step-end evaluation with the",
-            "next step (blocks n and n + 1 mixed in step n). Euler at native steps is the oracle: both",
-            "paths must reproduce the source there. The other digits models (--digits-models) are the",
-            "shipped recipe with another seed: `python examples/train_digits.py --seed N --out PATH`.",
-            "",
-            *markdown_table(HEADERS, rows, text_columns=4),
-            "",
-            *provenance(command),
-        ],
-    )
+    lines = [
+        "# Reversible Heun on a piecewise-constant and on a linear weight path: distance to the source",
+        "",
+        "Each model converted with one knot per block, evaluated in float64 without fine-tuning.",
+        "'logit distance' is ||logits - source logits|| / ||source logits|| over the batch; 'top-1",
+        "agreement' the share of images whose top class is the source network's. Random-weight",
+        f"models: {args.batch} standard-normal {args.size}x{args.size} images; digits: the 359",
+        "held-out test images. The constant path's step end reads the left limit (one block per",
+        "step, two evaluations per step); the linear path shares the step-end evaluation with the",
+        "next step (blocks n and n + 1 mixed in step n). Euler at native steps is the oracle: both",
+        "paths must reproduce the source there. The other digits models (--digits-models) are the",
+        "shipped recipe with another seed: `python examples/train_digits.py --seed N --out PATH`.",
+        "",
+        *markdown_table(HEADERS, rows, text_columns=4),
+        "",
+        *provenance(command),
+    ]
+    write_results(args.output, "\n".join(lines))
     return 0
 
 

@@ -23,6 +23,7 @@ _EXPORTS = {
     "retarget": "odeify.conversion",
     "set_backward": "odeify.conversion",
     "ConfigError": "odeify.errors",
+    "FallbackWarning": "odeify.errors",
     "ModelLoadError": "odeify.errors",
     "NoResidualBlocksError": "odeify.errors",
     "OdeifyError": "odeify.errors",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
     from odeify.conversion import retarget as retarget
     from odeify.conversion import set_backward as set_backward
     from odeify.errors import ConfigError as ConfigError
+    from odeify.errors import FallbackWarning as FallbackWarning
     from odeify.errors import ModelLoadError as ModelLoadError
     from odeify.errors import NoResidualBlocksError as NoResidualBlocksError
     from odeify.errors import OdeifyError as OdeifyError

@@ -47,7 +47,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from odeify.emit import step_graph
-from odeify.errors import ConfigError
+from odeify.errors import ConfigError, FallbackWarning
 from odeify.ir import StageIR
 from odeify.rerun import ForwardContext, ParamGrads, knot_window_inputs
 from odeify.reversible import integrate_reversible
@@ -207,7 +207,7 @@ class _StagePass:
                 "stage.adjoint_stats.fallbacks counts them. To stay memory-free use more steps or "
                 "integrator='heun' instead of 'euler'; if memory allows, backward='checkpoint' skips "
                 "the failed attempts.",
-                RuntimeWarning,
+                FallbackWarning,
                 stacklevel=2,
             )
         self.grads.reset()

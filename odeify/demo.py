@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import odeify
 from odeify.datasets import open_data
+from odeify.errors import FallbackWarning
 from odeify.evaluate import evaluate, field_evaluations, saved_for_backward
 from odeify.fileio import atomic_write_bytes
 from odeify.finetune import DEFAULT_RECIPE, finetune
@@ -203,9 +204,9 @@ def _memory(native: torch.nn.Module, data, out: Path) -> list[str]:
     saved: dict[str, list[tuple[int, int]]] = {}
     fell_back = passes = 0  # backward='reverse': passes redone exactly, of all its stage passes
     with warnings.catch_warnings():
-        # the report counts reverse's fallbacks below; a warning per stage and depth would only bury
-        # the progress bar (each depth is a new model, so each warns once more)
-        warnings.filterwarnings("ignore", r"odeify: stage .*backward='reverse'", RuntimeWarning)
+        # the report counts the fallbacks below; a warning per stage and depth would only bury the
+        # progress bar (each depth is a new model, so each warns once more)
+        warnings.simplefilter("ignore", FallbackWarning)
         for label, settings in MEMORY_MODES.items():
             for steps in MEMORY_STEPS:
                 model = odeify.retarget(native, steps=steps, **settings)

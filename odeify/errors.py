@@ -19,5 +19,13 @@ class NoResidualBlocksError(OdeifyError):
     """The model has no residual block that odeify can turn into an ODE stage."""
 
 
+class FallbackWarning(RuntimeWarning):
+    """A memory-free backward pass was redone exactly from the stage input: same gradients, more compute.
+
+    Warned once per stage; ``stage.adjoint_stats.fallbacks`` counts every such pass. A category of
+    its own so that a caller that reports the counts itself can filter exactly these warnings.
+    """
+
+
 class ConfigError(OdeifyError):
     """A conversion setting (integrator, steps, knots, basis, backward mode, stage name) is invalid."""

@@ -74,6 +74,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from odeify.emit import delta_graph
+from odeify.errors import FallbackWarning
 from odeify.ir import StageIR
 from odeify.rerun import ForwardContext, ParamGrads, knot_window_inputs
 
@@ -348,7 +349,7 @@ def _note_fallback(stage: StageIR, why: str) -> None:
             f"its final state exactly: {why}. This pass keeps the stage input instead and recomputes the "
             "forward's states from it in backward (exact, memory ~ all steps' states during backward), and "
             "later passes will too whenever this happens; stage.adjoint_stats.fallbacks counts them.",
-            RuntimeWarning,
+            FallbackWarning,
             stacklevel=4,
         )
 
