@@ -30,6 +30,7 @@ from tables import markdown_table
 import odeify
 from odeify._testing import make_test_model
 from odeify.digits import DEFAULT_MODEL_PATH, load_digits
+from odeify.errors import OdeifyError
 from odeify.loading import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,10 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         "--output", type=Path, default=RESULTS / "reversible_paths.md", help="Markdown record"
     )
     args = parser.parse_args(argv)
+    try:  # a bad path is a usage error naming the file, before any measuring
+        trained = {f"digits ({path.name}, trained)": load_model(path) for path in args.digits_models}
+    except OdeifyError as error:
+        parser.error(f"--digits-models: {error}")
     x, labels = load_digits("test")
     rows = measure("digits (shipped, trained)", load_model(DEFAULT_MODEL_PATH), x, labels)
-    for path in args.digits_models:
-        rows += measure(f"digits ({path.name}, trained)", load_model(path), x, labels)
+    for name, model in trained.items():
+        rows += measure(name, model, x, labels)
     images = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0))
     for name in args.models:
         rows += measure(f"{name} (random weights)", make_test_model(name), images, None)
