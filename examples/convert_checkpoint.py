@@ -9,12 +9,17 @@ The same from the command line: ``odeify convert CHECKPOINT -o OUT.safetensors``
 from __future__ import annotations
 
 import argparse
+import copy
 
 import timm.data
 import torch
 
 import odeify
 from odeify.settings import DEFAULT_MODEL_PATH
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,8 +40,15 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(2, *timm.data.resolve_model_data_config(original)["input_size"])
     with torch.no_grad():
         expected, got = original(x), converted(x)
-    error = ((got - expected).abs().max() / expected.abs().max()).item()
-    print(f"converted {len(odeify.converted_stages(converted))} stages; max relative error {error:.2e}")
+        # the same function: converted in float64, the two agree to float64 round-off
+        original64 = copy.deepcopy(original).double()
+        exact = original64(x.double())
+        exact_error = relative_error(odeify.convert(original64)(x.double()), exact)
+    print(
+        f"converted {len(odeify.converted_stages(converted))} stages; in float64 max relative error "
+        f"{exact_error:.2e}; in {got.dtype} {relative_error(got, expected):.2e} (eager itself: "
+        f"{relative_error(expected.double(), exact):.2e} from float64)"
+    )
 
     odeify.save(converted, args.output)  # self-contained: odeify.load needs only this file
     with torch.no_grad():

@@ -20,6 +20,7 @@ from torch import nn
 
 import odeify
 from odeify.console import console_on
+from odeify.dtypes import model_dtype
 from odeify.errors import ConfigError, OdeifyError
 from odeify.fileio import atomic_write_bytes
 from odeify.settings import DEFAULT_MODEL_PATH
@@ -320,7 +321,7 @@ def verify(source: nn.Module, native: fx.GraphModule, shape: tuple[int, ...]) ->
 
     The relative error divides by the largest absolute source output.
     """
-    dtype = next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(source)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(VERIFY_SEED), dtype=dtype)
     with torch.no_grad():
         expected, actual = source.eval()(x), native.eval()(x)

@@ -20,6 +20,7 @@ from torch import nn
 from odeify.analysis import analyze_graph, input_shape_for, resolve_model, validate_leaf_modules
 from odeify.bases import fit_matrix, get_basis, validate_knots
 from odeify.budget import check_fit_work, check_knot_bytes
+from odeify.dtypes import model_dtype
 from odeify.errors import ConfigError
 from odeify.passes.fold_bn import fold_batchnorm
 from odeify.passes.lift import RunParts, lift_runs
@@ -85,7 +86,7 @@ def convert(
     steps_of = _per_stage(steps, names, "steps")
     knots_of = _per_stage(knots, names, "knots")
     backward_of = _per_stage(backward, names, "backward")
-    dtype_size = next((p.element_size() for p in source.parameters() if p.is_floating_point()), 4)
+    dtype_size = model_dtype(source).itemsize
     for run in plan.runs:  # every budget before any allocation
         if knots_of[run.name] != "native":
             count = validate_knots(knots_of[run.name], run.length, basis)

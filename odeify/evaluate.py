@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from odeify.conversion import converted_stages
+from odeify.dtypes import model_dtype
 from odeify.emit import count_evaluations
 from odeify.errors import ConfigError
 
@@ -59,6 +60,7 @@ def evaluate(
     only (not data loading), synchronised on GPUs.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    dtype = model_dtype(model)  # images arrive as float32; a float64 model reads them as float64
     was_training = model.training
     model.eval()
     correct = samples = 0
@@ -68,7 +70,7 @@ def evaluate(
         for index, (x, y) in enumerate(batches):
             if max_batches is not None and index == max_batches:
                 break
-            x, y = x.to(device), y.to(device)
+            x, y = x.to(device, dtype), y.to(device)
             _sync(device)
             started = time.perf_counter()
             logits = model(x)

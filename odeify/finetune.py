@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 from odeify.conversion import converted_stages, retarget
 from odeify.datasets import LabelledData, make_loader
+from odeify.dtypes import model_dtype
 from odeify.errors import ConfigError, OdeifyError
 from odeify.evaluate import evaluate
 from odeify.fileio import atomic_write_bytes
@@ -498,7 +499,8 @@ class _Trainer:
             lr = recipe.lr * learning_rate_factor(self.step, self.total_steps, recipe.warmup)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = x.to(device, dtype=model_dtype(self.model), non_blocking=True)  # as timm's --model-dtype
+            y = y.to(device, non_blocking=True)
             logits = self.wrapped(x)
             loss = self._loss(logits, x, y)
             self.optimizer.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ from torch import nn
 
 from odeify.archs import DATA_CONFIG_KEYS, arch_spec, check_arch_name, check_file_kwargs
 from odeify.bases import BASES, MAX_KNOTS
+from odeify.dtypes import model_dtype
 from odeify.errors import ModelLoadError
 from odeify.passes.segments import has_segments
 from odeify.plan import Plan
@@ -104,7 +105,7 @@ def record_conversion(
     Called by ``convert`` once the runs are lifted (before lowering): ``plan``'s block names let the
     optimizer grouping read each knot stack like the blocks it came from.
     """
-    dtype = next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(source)
     try:
         name, kwargs = arch_spec(source)
         arch, why_not = {"name": name, "kwargs": kwargs}, None
@@ -141,7 +142,7 @@ def recipe_of(model: nn.Module) -> Recipe:
     if arch is not None and hasattr(model, "num_classes"):  # reset_classifier changes the head size
         arch = {"name": arch["name"], "kwargs": {**arch["kwargs"], "num_classes": model.num_classes}}
     attrs = {id(m): name for name, m in model.named_children()}
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = model_dtype(model)
     return Recipe(
         arch=arch,
         input_shape=tuple(record["input_shape"]),

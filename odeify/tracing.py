@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from odeify.dtypes import model_dtype
 from odeify.errors import TraceError
 from odeify.passes.contract import PassSpec, graph_pass
 
@@ -127,7 +128,7 @@ def annotate_shapes(gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch
     (``_extract_tensor_metadata``), so ``node.meta["tensor_meta"]`` reads the same either way.
     """
     if dtype is None:
-        dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+        dtype = model_dtype(gm)
     example = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     try:
         with torch.no_grad():

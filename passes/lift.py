@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from odeify.dtypes import model_dtype
 from odeify.ir import Slot, StageIR
 from odeify.meta import tag
 from odeify.passes.contract import PassSpec, graph_pass
@@ -191,7 +192,7 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
         if isinstance(first, dict):
             return {k: lift_arg([v[k] for v in values], f"{path}.{k}") for k in first}
         if isinstance(first, float) and any(v != first for v in values):
-            stacked = [torch.tensor(v, dtype=_float_dtype(gm)) for v in values]
+            stacked = [torch.tensor(v, dtype=model_dtype(gm)) for v in values]
             return new_slot(f"const_{path}", "buffer", stacked)
         return first
 
@@ -234,10 +235,6 @@ def _local_name(node: fx.Node, scope: str) -> str:
 
 def _relative(target: str, scope: str) -> str:
     return target[len(scope) + 1 :] if scope and target.startswith(scope + ".") else target
-
-
-def _float_dtype(gm: fx.GraphModule) -> torch.dtype:
-    return next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: StageIR) -> fx.Node:

@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from precision import as_float64, assert_as_accurate_as
 from timm.layers import DropPath
 from torch import nn
 
@@ -20,10 +21,13 @@ from odeify.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.errors import ConfigError
 from odeify.loading import load_model
 
-TOL = {  # relative gradient error allowed vs backprop: (checkpoint, reversible)
-    torch.float64: (1e-12, 1e-10),
-    torch.float32: (1e-6, 1e-5),
-}
+FP64_TOL = {"checkpoint": 1e-12, "reversible": 1e-10}
+"""Relative gradient error allowed vs backprop in float64, where both are exact to round-off."""
+FP32_FACTOR = 2.0
+"""In float32 a memory-free gradient is judged against float64 backprop of the same stage: its error
+may be 2x float32 backprop's own (measured on AMD EPYC, torch 2.14: at most 1.03x over every float32
+case here; reversible is often far closer to float64 than float32 backprop, 2e-7 against 2e-3 on
+the deep linear-path stages)."""
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,6 +61,32 @@ def assert_close(got: dict, want: dict, tol: float) -> None:
         assert rel(got[name], want[name]) <= tol, (name, rel(got[name], want[name]))
 
 
+def backprop_reference(
+    module: nn.Module, x: torch.Tensor, cotangent: torch.Tensor
+) -> tuple[dict, dict | None]:
+    """Backprop's gradients of ``module`` (in its backprop configuration), and in float32 also those of
+    its float64 copy: the exact reference a float32 result is judged by."""
+    want = grads_of(module, x, cotangent)
+    if x.dtype == torch.float64:
+        return want, None
+    return want, grads_of(as_float64(module), x.double(), cotangent.double())
+
+
+def assert_matches_backprop(got: dict, reference: tuple[dict, dict | None], mode: str) -> None:
+    """float64: ``got`` equals backprop's gradients to round-off. float32: ``got`` is as close to
+    float64 backprop as float32 backprop is (FP32_FACTOR)."""
+    want, exact = reference
+    if exact is None:
+        assert_close(got, want, FP64_TOL[mode])
+    else:
+        assert_as_accurate_as(got, want, exact, FP32_FACTOR)
+
+
+def stage_reference(stage: odeify.ODEStage, x: torch.Tensor, cotangent: torch.Tensor) -> tuple:
+    stage.configure(backward="backprop")
+    return backprop_reference(stage, x, cotangent)
+
+
 def digits_stage(index: int, dtype: torch.dtype, *retargets: dict, **retarget) -> odeify.ODEStage:
     """A stage of the shipped digits model (16 ch at 8x8, 32 ch at 4x4), retargeted in turn."""
     gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).to(dtype))
@@ -85,15 +115,14 @@ def resnet18() -> dict[torch.dtype, torch.fx.GraphModule]:
 def test_checkpoint_and_reversible_match_backprop_on_resnet18(resnet18, dtype) -> None:
     x = torch.randn(2, 3, 32, 32, dtype=dtype, generator=torch.Generator().manual_seed(0))
     cot = torch.randn(2, 1000, dtype=dtype, generator=torch.Generator().manual_seed(1))
-    check_tol, rev_tol = TOL[dtype]
-    ref = grads_of(resnet18[dtype], x, cot)
-    assert_close(grads_of(with_backward(resnet18[dtype], "checkpoint"), x, cot), ref, check_tol)
+    ref = backprop_reference(resnet18[dtype], x, cot)
+    assert_matches_backprop(grads_of(with_backward(resnet18[dtype], "checkpoint"), x, cot), ref, "checkpoint")
 
     heun = odeify.retarget(resnet18[dtype], integrator="reversible_heun")
-    ref = grads_of(heun, x, cot)
+    ref = backprop_reference(heun, x, cot)
     reversible = with_backward(heun, "reversible")
     assert all(s.backward == "reversible" for s in odeify.converted_stages(reversible))
-    assert_close(grads_of(reversible, x, cot), ref, rev_tol)
+    assert_matches_backprop(grads_of(reversible, x, cot), ref, "reversible")
     assert all(s.adjoint_stats.backward_passes == 1 for s in odeify.converted_stages(reversible))
 
 
@@ -105,14 +134,13 @@ def test_resnet50_layer3_stage_matches_backprop(dtype) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1024, 4, 4, generator=g, dtype=dtype).relu()
     cot = torch.randn(2, 1024, 4, 4, generator=g, dtype=dtype)
-    check_tol, rev_tol = TOL[dtype]
-    ref = stage_grads(stage, "backprop", x, cot)
-    assert_close(stage_grads(stage, "checkpoint", x, cot), ref, check_tol)
+    ref = stage_reference(stage, x, cot)
+    assert_matches_backprop(stage_grads(stage, "checkpoint", x, cot), ref, "checkpoint")
     # a plain floating-point inverse amplifies fp32 round-off ~3x per step on this expansive
     # random-weight stage (it erred by 2e-2 here); the lattice state rebuilds every state exactly
-    stage.configure(integrator="reversible_heun", steps=10, backward="backprop")
-    ref = stage_grads(stage, "backprop", x, cot)
-    assert_close(stage_grads(stage, "reversible", x, cot), ref, rev_tol)
+    stage.configure(integrator="reversible_heun", steps=10)
+    ref = stage_reference(stage, x, cot)
+    assert_matches_backprop(stage_grads(stage, "reversible", x, cot), ref, "reversible")
     assert stage.adjoint_stats.last_errors == [0.0]
 
 
@@ -128,17 +156,16 @@ def test_resnet50_layer3_stage_matches_backprop(dtype) -> None:
     ],
 )
 def test_deep_stages_match_backprop(dtype, knots, steps, every) -> None:
-    check_tol, rev_tol = TOL[dtype]
     stage = digits_stage(0, dtype, knots=knots, steps=steps, basis="linear")
     x = stage_input(stage, 2, dtype)
     cot = torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
-    ref = stage_grads(stage, "backprop", x, cot)
+    ref = stage_reference(stage, x, cot)
     stage.configure(checkpoint_every=every)
-    assert_close(stage_grads(stage, "checkpoint", x, cot), ref, check_tol)
+    assert_matches_backprop(stage_grads(stage, "checkpoint", x, cot), ref, "checkpoint")
 
     stage.configure(integrator="reversible_heun")
-    ref = stage_grads(stage, "backprop", x, cot)
-    assert_close(stage_grads(stage, "reversible", x, cot), ref, rev_tol)
+    ref = stage_reference(stage, x, cot)
+    assert_matches_backprop(stage_grads(stage, "reversible", x, cot), ref, "reversible")
     assert stage.adjoint_stats.last_errors == [0.0]  # the rebuilt y_0 and z_0 agree bit for bit
 
 
@@ -301,13 +328,18 @@ def test_trainable_template_parameters_get_gradients() -> None:
     assert_close(stage_grads(stage, "checkpoint", x, cot), ref, 1e-12)
 
 
-@pytest.mark.parametrize(("mode", "tol"), [("checkpoint", 1e-6), ("reversible", 2e-2)])
-def test_mixed_precision_is_replayed(mode, tol) -> None:
+BF16_FACTOR = 1.5
+"""Under bf16 autocast a memory-free gradient may be 1.5x as far from float64 backprop as bf16 backprop
+is (measured on AMD EPYC: checkpoint 1.00x, reversible 1.03x; bf16 backprop is 6e-2 from float64)."""
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "reversible"])
+def test_mixed_precision_is_replayed(mode) -> None:
     """Re-runs in backward see the forward's autocast state, as autograd through the graph does.
 
     Reversible Heun rebuilds its lattice states exactly under autocast too, but those states differ
     from the unrolled graph's fp32 ones by fp32 round-off, which flips bf16 roundings of the fields'
-    inputs: the two agree to bf16 accuracy (6e-3 here), not fp32.
+    inputs: both are judged by their distance from float64 backprop, to bf16 accuracy.
     """
     integrator = "reversible_heun" if mode == "reversible" else "euler"
     stage = digits_stage(0, torch.float32, knots=8, steps=8, basis="linear", integrator=integrator)
@@ -319,8 +351,9 @@ def test_mixed_precision_is_replayed(mode, tol) -> None:
             return stage_grads(stage, mode, x, cot)
 
     ref = grads("backprop")
-    assert rel(ref["x"], stage_grads(stage, "backprop", x, cot)["x"]) > 1e-4  # bf16 does differ
-    assert_close(grads(mode), ref, tol)
+    exact = stage_reference(stage, x, cot)[1]
+    assert rel(ref["x"], exact["x"]) > 1e-3  # bf16 does differ
+    assert_as_accurate_as(grads(mode), ref, exact, BF16_FACTOR)
     if mode == "reversible":
         assert stage.adjoint_stats.last_errors == [0.0]
 
@@ -454,12 +487,13 @@ def test_a_nan_sample_leaves_the_clean_samples_gradients_exact(integrator, mode)
     """
     clean = load_digits("test")[0][:4]
     gm = odeify.convert(load_model(DEFAULT_MODEL_PATH), integrator=integrator, steps=2)
-    want = input_grads(gm, clean)  # backprop
+    want = {"x": input_grads(gm, clean)}  # float32 backprop
+    exact = {"x": input_grads(as_float64(gm), clean.double())}
     with_nan = torch.cat([clean, torch.full_like(clean[:1], math.nan)])
     memory_free = with_backward(gm, mode)
     with pytest.warns(RuntimeWarning, match="not finite"):
         got = input_grads(memory_free, with_nan)
-    torch.testing.assert_close(got[:4], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert_as_accurate_as({"x": got[:4]}, want, exact, FP32_FACTOR)
     stats = [s.adjoint_stats for s in odeify.converted_stages(memory_free)]
     assert all(s.fallbacks == 1 for s in stats)
     if mode == "reverse":
@@ -504,12 +538,12 @@ def test_reversible_state_past_the_lattice_bound_falls_back_exactly(dtype, scale
         stage.knots["conv2_weight"].mul_(scale)
     x = stage_input(stage, 2, dtype)
     cot = torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
-    want = stage_grads(stage, "backprop", x, cot)
+    want = stage_reference(stage, x, cot)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = stage_grads(stage, "reversible", x, cot)
     messages = [str(w.message) for w in caught]
-    assert_close(got, want, TOL[dtype][1])
+    assert_matches_backprop(got, want, "reversible")
     stats = stage.adjoint_stats
     assert (stats.fallbacks, stats.backward_passes) == (int(falls_back), 1)
     if falls_back:
@@ -519,13 +553,19 @@ def test_reversible_state_past_the_lattice_bound_falls_back_exactly(dtype, scale
 
 
 def test_reversible_lattice_is_per_sample() -> None:
-    """A sample's result does not depend on its batch: a huge neighbour leaves it unchanged."""
+    """A sample's accuracy does not depend on its batch: a huge neighbour leaves it as exact as before.
+
+    With one lattice spacing for the batch, sample 0 would sit on a 2e-4-coarse lattice: 1e3 times
+    float32's own error, far past FP32_FACTOR.
+    """
     stage = digits_stage(0, torch.float32, integrator="reversible_heun", backward="reversible")
     x = stage_input(stage, 2, torch.float32).requires_grad_()
     loud = x.detach().clone()
-    loud[1] *= 1e6  # with one spacing for the batch, sample 0 would sit on a 2e-4-coarse lattice
+    loud[1] *= 1e6
     quiet_out, loud_out = stage(x)[0], stage(loud.requires_grad_())[0]
-    torch.testing.assert_close(loud_out, quiet_out, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        exact = as_float64(stage)(x.detach().double())[0]
+    assert_as_accurate_as({"y": loud_out.detach()}, {"y": quiet_out.detach()}, {"y": exact}, FP32_FACTOR)
 
 
 def test_reversible_warns_on_every_inexact_rebuild() -> None:

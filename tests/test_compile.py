@@ -15,18 +15,23 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
+from precision import assert_as_accurate_as
 from torch._dynamo.backends.registry import lookup_backend
 
 import odeify
 from odeify.digits import DEFAULT_MODEL_PATH
+from odeify.dtypes import model_dtype
 from odeify.loading import load_model
 from odeify.passes.segments import Segment, checkpoint_segments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 INTEGRATOR = {"backprop": "euler", "checkpoint": "euler", "reverse": "euler", "reversible": "reversible_heun"}
-INDUCTOR_RTOL = 1e-5
-"""Inductor fuses and reorders fp32 arithmetic: measured 4.4e-7 relative on the digits model."""
+FACTOR = {"aot_eager": 2.0, "inductor": 4.0}
+"""Compiled float32 gradients are judged by their distance from eager float64, which may be this
+multiple of eager float32's own (floored at 8 ulps). Measured on AMD EPYC: every gradient within
+0.36x of that floor, aot_eager and inductor alike; inductor fuses and reorders float32 arithmetic,
+so it gets the wider margin."""
 
 
 def training_model(mode: str) -> fx.GraphModule:
@@ -40,7 +45,7 @@ def training_model(mode: str) -> fx.GraphModule:
 def train_step(run, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """One forward (``run``: the model or its compiled form) and backward; input and parameter grads."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 1, 32, 32, generator=g).requires_grad_()
+    x = torch.randn(4, 1, 32, 32, generator=g).to(model_dtype(model)).requires_grad_()
     labels = torch.randint(0, 10, (4,), generator=g)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "odeify: stage", RuntimeWarning)  # reverse falls back here
@@ -48,12 +53,16 @@ def train_step(run, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {"x": x.grad, **{name: p.grad for name, p in model.named_parameters()}}
 
 
-def compiled_gradients(mode: str, backend) -> tuple[dict, dict, fx.GraphModule]:
+def compiled_gradients(mode: str, backend, factor: float) -> fx.GraphModule:
+    """Compile the float32 model for ``mode`` with ``backend``: its gradients are eager's, to float32
+    accuracy against eager float64. Returns the eager model."""
     eager = training_model(mode)
     cold = copy.deepcopy(eager)  # no stage graph built yet, as at a user's first step
-    want = train_step(eager, eager)
+    exact_model = copy.deepcopy(eager).double()
+    want, exact = train_step(eager, eager), train_step(exact_model, exact_model)
     got = train_step(torch.compile(cold, backend=backend), cold)
-    return got, want, eager
+    assert_as_accurate_as(got, want, exact, factor)
+    return eager
 
 
 def _conv_count(graphs: list[fx.Graph]) -> int:
@@ -68,10 +77,7 @@ def test_compiled_reversible_model_trains_like_eager_and_compiles_its_segments()
         graphs.extend(m.graph for m in gm.modules() if isinstance(m, fx.GraphModule))
         return lookup_backend("aot_eager")(gm, example_inputs)
 
-    got, want, eager = compiled_gradients("reversible", counting)
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    eager = compiled_gradients("reversible", counting, FACTOR["aot_eager"])
     # every segment ran compiled, as a checkpointed region: its convs are in compiled graphs
     segments = [m for m in eager.modules() if isinstance(m, Segment)]
     regions = [
@@ -85,9 +91,4 @@ def test_compiled_reversible_model_trains_like_eager_and_compiles_its_segments()
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(INTEGRATOR))
 def test_inductor_compiled_model_trains_like_eager(mode: str) -> None:
-    got, want, _ = compiled_gradients(mode, "inductor")
-    for name in want:
-        scale = float(want[name].abs().max())
-        torch.testing.assert_close(
-            got[name], want[name], rtol=INDUCTOR_RTOL, atol=INDUCTOR_RTOL * scale, msg=name
-        )
+    compiled_gradients(mode, "inductor", FACTOR["inductor"])

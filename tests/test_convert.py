@@ -19,6 +19,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from precision import as_float64, assert_as_accurate_as
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -32,7 +33,11 @@ from odeify.tableaus import KNOWN_INTEGRATORS, Tableau
 
 SHAPE = (1, 3, 64, 64)  # small: exactness does not depend on the spatial size
 BASES = ("constant", "linear", "cubic")
-TOLERANCE = {torch.float64: 2e-14, torch.float32: 5e-6}  # max|diff| / max|ref|; measured 2.5e-15, 6.9e-7
+FP64_TOLERANCE = 2e-14  # max|diff| / max|ref| against eager timm; measured 2.5e-15
+FP32_FACTOR = 2.0
+"""float32: the converted model is judged by its distance from eager float64, which may be 2x eager
+float32's own (BatchNorm folded into the conv rounds differently; measured on AMD EPYC over the
+whole zoo, ODEIFY_ZOO=all: at most 1.05x, both about 1e-6)."""
 
 # (id, timm name, timm kwargs); the first block of each set always runs
 REPRESENTATIVE = [
@@ -88,9 +93,13 @@ def test_exact_at_native_depth(test_model, image, name: str, kwargs: dict, basis
         converted = odeify.convert(model, basis=basis, input_size=SHAPE)
         with torch.no_grad():
             ref, out = model(x), converted(x)
+            exact = as_float64(model)(x.double()) if dtype == torch.float32 else None
         assert ref.abs().max() > 0
-        error = relative_error(out, ref)
-        assert error <= TOLERANCE[dtype], f"{name} {basis} {dtype}: relative error {error:.3e}"
+        if exact is None:
+            error = relative_error(out, ref)
+            assert error <= FP64_TOLERANCE, f"{name} {basis}: relative error {error:.3e}"
+        else:
+            assert_as_accurate_as({"logits": out}, {"logits": ref}, {"logits": exact}, FP32_FACTOR)
 
         assert not [m for m in converted.modules() if isinstance(m, _BatchNorm)], "BatchNorm left"
         stages = converted_stages(converted)
@@ -267,10 +276,10 @@ def test_retarget_needs_a_converted_model(digits) -> None:
 def test_basis_switch_on_native_knots_keeps_native_exactness(digits, digits_converted, image) -> None:
     x = image(DIGITS_SHAPE)
     with torch.no_grad():
-        ref = digits(x)
+        ref, exact = digits(x), as_float64(digits)(x.double())
         for basis in BASES:
             out = odeify.retarget(digits_converted, basis=basis)(x)
-            assert relative_error(out, ref) <= 1e-5, basis
+            assert_as_accurate_as({basis: out}, {basis: ref}, {basis: exact}, FP32_FACTOR)
 
 
 def test_basis_switch_on_compressed_knots_is_refused(digits_converted) -> None:

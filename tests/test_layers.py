@@ -25,7 +25,7 @@ import odeify.passes
 LAYERS: list[tuple[str, set[str]]] = [
     (
         "foundation",
-        {"errors", "settings", "fileio", "budget", "stats", "meta", "plan", "bases", "tableaus"},
+        {"errors", "dtypes", "settings", "fileio", "budget", "stats", "meta", "plan", "bases", "tableaus"},
     ),
     ("ir", {"ir"}),
     ("codegen", {"emit"}),

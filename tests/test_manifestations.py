@@ -16,6 +16,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from precision import as_float64, assert_as_accurate_as
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 import odeify
@@ -67,6 +68,11 @@ def design(basis: str, knots: int, blocks: int) -> np.ndarray:
     """D[j, k] = B_k(j / blocks) for a ``knots``-knot basis: block weights = D @ knots."""
     b = get_basis(basis)
     return np.array([[float(c) for c in b.coefficients(knots, Fraction(j, blocks))] for j in range(blocks)])
+
+
+FP32_FACTOR = 2.0
+"""float32 outputs are judged by their distance from the eager model in float64: at most 2x eager
+float32's own (measured on AMD EPYC: 0.92x and 0.84x, both near the 8-ulp floor)."""
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -129,7 +135,9 @@ def test_retarget_back_to_euler_native_is_bit_exact(resnet152) -> None:
     with torch.no_grad():
         native, out, moved, ref = converted(x), back(x), rk4(x), model(x)
     assert (out - native).abs().max().item() == 0.0
-    assert relative(native, ref) <= 5e-6  # fp32; measured below 1e-6
+    with torch.no_grad():
+        exact = as_float64(model)(x.double())
+    assert_as_accurate_as({"y": native}, {"y": ref}, {"y": exact}, FP32_FACTOR)
     assert relative(moved, native) > 1e-3  # rk4 with 4 steps is a different network
 
 
@@ -219,7 +227,9 @@ def test_compressed_model_is_the_eager_network_with_knot_weights(resnet152) -> N
                 setattr(block, conv, fused)
                 setattr(block, norm, torch.nn.Identity())
         out, want, native = compressed(x), eager(x), converted(x)
-    assert relative(out, want) <= 5e-6  # fp32; measured below 1e-6
+    with torch.no_grad():
+        exact = as_float64(eager)(x.double())
+    assert_as_accurate_as({"y": out}, {"y": want}, {"y": exact}, FP32_FACTOR)
     assert relative(out, native) > 1e-3  # a different network from the native one
     params = sum(p.numel() for p in compressed.parameters())
     removed = (35 - COARSE) * sum(t[0].numel() for t in knots.values())

@@ -44,11 +44,13 @@ def grads_after(model: torch.nn.Module, x: torch.Tensor, threads: int) -> dict[s
 
 @pytest.mark.parametrize("trial", range(6))
 def test_cold_model_in_two_threads(monkeypatch, trial: int) -> None:
-    base = odeify.convert(load_model(DEFAULT_MODEL_PATH))
+    base = odeify.convert(load_model(DEFAULT_MODEL_PATH).double())  # float64: exactness is checkable
     cold = odeify.retarget(base, basis="linear", knots=8, steps=16, backward="checkpoint")
     cold = odeify.retarget(cold, basis="cubic", knots="native")  # dense rows: the path that raced
     cold = odeify.retarget(cold, knots=8)
-    x = torch.randn(2, 1, DIGITS_SIZE, DIGITS_SIZE, generator=torch.Generator().manual_seed(trial))
+    x = torch.randn(
+        2, 1, DIGITS_SIZE, DIGITS_SIZE, generator=torch.Generator().manual_seed(trial), dtype=torch.float64
+    )
     serial = grads_after(copy.deepcopy(cold), x, threads=1)
 
     build = emit.build_step_graph
@@ -61,4 +63,7 @@ def test_cold_model_in_two_threads(monkeypatch, trial: int) -> None:
     both = grads_after(cold, x, threads=2)
     assert serial.keys() == both.keys()
     for name, grad in serial.items():
-        torch.testing.assert_close(both[name], 2 * grad, rtol=1e-5, atol=1e-6, msg=name)
+        # float64 round-off (measured on AMD EPYC: 0.0, the same kernels twice); a race is far off
+        torch.testing.assert_close(
+            both[name], 2 * grad, rtol=1e-12, atol=1e-12 * float(grad.abs().max()), msg=name
+        )

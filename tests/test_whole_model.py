@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
+from precision import assert_as_accurate_as
 from timm.layers import DropPath
 from torch import nn
 
@@ -32,12 +33,12 @@ MEMORY_FREE = ["checkpoint", "reverse", "reversible"]
 FP64_TOL = {"checkpoint": 1e-13, "reverse": 1e-13, "reversible": 1e-12}
 """Measured: checkpoint and reverse (which falls back to checkpointing at native Euler steps, where a
 ReLU network cannot be stepped backward) 0.0; reversible 3.4e-13 (its lattice is 2^-44 coarse in fp64)."""
-BF16_TOL = {"checkpoint": 1e-6, "reverse": 1e-6}
-"""Measured under bf16 autocast: checkpoint and reverse recompute the same bf16 operations (0.0)."""
-BF16_BAND = 1.5
-"""Reversible's states are the lattice's, not the unrolled graph's bf16 states, so bf16 roundings
-of the fields' inputs differ: on this random-weight model bf16 backprop is 19% from fp32 backprop
-and reversible under autocast 20%. Reversible must be within 1.5x of bf16 backprop's own error."""
+BF16_FACTOR = {"checkpoint": 1.5, "reverse": 1.5, "reversible": 3.0}
+"""Under bf16 autocast every parameter's gradient is judged by its distance from float64 backprop,
+which may be this multiple of bf16 backprop's own. Checkpoint and reverse recompute the same bf16
+operations (measured on AMD EPYC: 1.00x); reversible's states are the lattice's, not the unrolled
+graph's, so bf16 roundings of the fields' inputs differ (measured: at most 1.74x, on
+layer4's conv2 knots; bf16 backprop is 4e-2..2e-1 from float64 on this random-weight model)."""
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -130,14 +131,11 @@ def test_whole_model_gradients_under_bf16_autocast(converted, mode: str) -> None
             return grads_of(model, x, cot)
 
     backprop = manifest(converted, mode, torch.float32, backprop=True)
-    want, fp32 = grads(backprop), grads_of(backprop, x, cot)
-    band = max(rel(want[name], fp32[name]) for name in fp32)  # bf16 backprop's own error
-    assert band > 1e-3  # bf16 does differ from fp32
+    want = grads(backprop)
+    exact = grads_of(manifest(converted, mode, backprop=True), x.double(), cot.double())
+    assert max(rel(want[name], exact[name]) for name in exact) > 1e-3  # bf16 does differ
     got = grads(manifest(converted, mode, torch.float32))
-    if mode in BF16_TOL:
-        assert_grads_close(got, want, BF16_TOL[mode])
-    else:
-        assert max(rel(got[name], fp32[name]) for name in fp32) <= BF16_BAND * band
+    assert_as_accurate_as(got, want, exact, BF16_FACTOR[mode])
 
 
 def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
@@ -231,8 +229,8 @@ def test_train_mode_batchnorm_in_a_segment_is_refused() -> None:
 
 
 def test_a_model_without_stages_is_one_segment_with_eager_gradients() -> None:
-    model = _Head().eval()
+    model = _Head().double().eval()
     gm = checkpoint_segments(fx.symbolic_trace(copy.deepcopy(model)))
     assert sum(isinstance(m, Segment) for m in gm.modules()) == 1
-    x = torch.randn(2, 3, 8, 8)
-    assert_grads_close(grads_of(gm, x, torch.ones(2, 4)), grads_of(model, x, torch.ones(2, 4)), 1e-6)
+    x, cot = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.ones(2, 4, dtype=torch.float64)
+    assert_grads_close(grads_of(gm, x, cot), grads_of(model, x, cot), 1e-13)  # recomputed: measured 0.0
