@@ -43,8 +43,8 @@ from rich.table import Table
 from tables import markdown_table
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.fileio import atomic_write_bytes
+from odeify.core.fileio import atomic_write_bytes
+from odeify.models._testing import make_test_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STAGE = "layer3"

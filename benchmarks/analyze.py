@@ -23,7 +23,7 @@ from tables import markdown_table
 from tqdm import tqdm
 
 import odeify
-from odeify.loading import load_model
+from odeify.models.loading import load_model
 
 DEFAULT_MODELS = ("resnet50", "resnet152")
 INPUT_SHAPE = (1, 3, 224, 224)

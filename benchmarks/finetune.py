@@ -8,14 +8,14 @@ of issue 11's table, each trained memory-free:
 - reversible Heun, half the native steps, ``backward='reversible'``;
 - linear basis, 2 knots per stage, Euler at native steps, ``backward='reverse'``;
 
-every candidate recipe is run with ``odeify.finetune.finetune`` (the loop ``odeify finetune``
+every candidate recipe is run with ``odeify.train.finetune.finetune`` (the loop ``odeify finetune``
 runs) from the same starting model, and the script reports test accuracy before and after the
 recipe's epochs (the last epoch's model, not the best one: the test split picks nothing; with a
 weight average, the average's, then the last step's weights'), the time per epoch, and the bytes
 each manifestation keeps for backward in one training step next to plain backprop through the same
 manifestation. The recipe that meets the target on all four
 (within 0.5 point of the source model, never below the start) at the lowest cost becomes
-``odeify.finetune.DEFAULT_RECIPE``. Writes benchmarks/results/finetune.md and finetune.png.
+``odeify.train.finetune.DEFAULT_RECIPE``. Writes benchmarks/results/finetune.md and finetune.png.
 
     python benchmarks/finetune.py                 # all candidates (10 minutes on 1 thread, quiet machine)
     python benchmarks/finetune.py --only default  # the default recipe only
@@ -45,14 +45,14 @@ from matplotlib.figure import Figure
 from tables import markdown_table
 
 import odeify
-from odeify.checkpoints import read_checkpoint_metadata
-from odeify.datasets import open_data
-from odeify.digits import META_DIGITS
-from odeify.errors import OdeifyError
-from odeify.evaluate import evaluate, saved_for_backward
-from odeify.fileio import atomic_path, atomic_write_bytes
-from odeify.finetune import DEFAULT_RECIPE, Recipe, finetune
-from odeify.settings import DEFAULT_MODEL_PATH
+from odeify.core.errors import OdeifyError
+from odeify.core.fileio import atomic_path, atomic_write_bytes
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.checkpoints import read_checkpoint_metadata
+from odeify.models.digits import META_DIGITS
+from odeify.train.datasets import open_data
+from odeify.train.evaluate import evaluate, saved_for_backward
+from odeify.train.finetune import DEFAULT_RECIPE, Recipe, finetune
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_GAP = 0.005  # within 0.5 point of the source model's accuracy
@@ -211,7 +211,7 @@ def report(
         f"{100 * (source_accuracy - TARGET_GAP):.2f}% (within 0.5 point; one test digit is 0.28 point) "
         "and never below where it started. 'after' is the last epoch's model, not the best one (the test "
         "split selects nothing). Each run starts from the same coarse model, trains with "
-        "`odeify.finetune.finetune` (the loop of `odeify finetune`), batch 64, and distills, where the "
+        "`odeify.train.finetune.finetune` (the loop of `odeify finetune`), batch 64, and distills, where the "
         "recipe does, from the converted model at native depth (the source network, exactly). With a "
         "weight average (EMA), 'after' is the average's accuracy, which is the model the run returns and "
         "saves; the last step's weights' follows in parentheses (the same training as the recipe without "

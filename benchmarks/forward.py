@@ -34,9 +34,9 @@ from torch.fx.experimental.optimization import fuse
 from tqdm import tqdm
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.conversion import converted_stages
-from odeify.emit import count_evaluations
+from odeify.codegen.emit import count_evaluations
+from odeify.compiler.conversion import converted_stages
+from odeify.models._testing import make_test_model
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "forward.md"
 TARGET = 1.00  # converted-native time / original time

@@ -12,7 +12,7 @@ stage's real input (the stem's output on digits test images):
 
 For each N the reference is backprop through the same integrator and steps. Errors are measured
 with the fallback disabled (``stage.reverse_tolerance = inf``); 'fallback' says whether the
-default tolerance (odeify.adjoint.RECONSTRUCTION_TOLERANCE) would have made that backward pass
+default tolerance (odeify.runtime.adjoint.RECONSTRUCTION_TOLERANCE) would have made that backward pass
 fall back to exact checkpointing.
 
 For the Euler rows it also measures torchdiffeq's continuous adjoint (``odeint_adjoint``,
@@ -39,9 +39,9 @@ from rich.table import Table
 from tables import markdown_table
 
 import odeify
-from odeify.adjoint import RECONSTRUCTION_TOLERANCE
-from odeify.digits import DEFAULT_MODEL_PATH, load_digits
-from odeify.loading import load_model
+from odeify.models.digits import DEFAULT_MODEL_PATH, load_digits
+from odeify.models.loading import load_model
+from odeify.runtime.adjoint import RECONSTRUCTION_TOLERANCE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = {"smooth": "cubic", "native": "constant"}  # field: basis over the native knots

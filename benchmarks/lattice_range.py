@@ -1,7 +1,7 @@
 """Measure: how large the reversible lattice's integer counts get on real weights, and how they are kept.
 
 ``backward='reversible'`` holds reversible Heun's state (y, z) as float64 counts of a per-sample
-spacing q, 2^-bits of the input's largest magnitude (``odeify.reversible.lattice_bits``). What the
+spacing q, 2^-bits of the input's largest magnitude (``odeify.runtime.reversible.lattice_bits``). What the
 forward keeps for backward, and when it must fall back, depends on how large those counts get:
 the state outgrows the input by the stage's growth, and float64 sums stay exact below 2^52. For
 every stage of resnet50 (random non-trivial weights, standard-normal 224x224 images) and of the
@@ -23,11 +23,11 @@ from machine import command_line, provenance, write_results
 from tables import markdown_table
 
 import odeify
-from odeify import reversible
-from odeify._testing import make_test_model
-from odeify.digits import DEFAULT_MODEL_PATH, load_digits
-from odeify.loading import load_model
-from odeify.rerun import ForwardContext
+from odeify.models._testing import make_test_model
+from odeify.models.digits import DEFAULT_MODEL_PATH, load_digits
+from odeify.models.loading import load_model
+from odeify.runtime import reversible
+from odeify.runtime.rerun import ForwardContext
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADERS = (

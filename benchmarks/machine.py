@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from odeify.fileio import atomic_write_bytes
+from odeify.core.fileio import atomic_write_bytes
 
 
 def machine_info() -> dict[str, str]:

@@ -28,10 +28,10 @@ from machine import command_line, provenance, write_results
 from tables import markdown_table
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.digits import DEFAULT_MODEL_PATH, load_digits
-from odeify.errors import OdeifyError
-from odeify.loading import load_model
+from odeify.core.errors import OdeifyError
+from odeify.models._testing import make_test_model
+from odeify.models.digits import DEFAULT_MODEL_PATH, load_digits
+from odeify.models.loading import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADERS = ("model", "integrator", "steps", "basis", "logit distance", "top-1 agreement", "accuracy")

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from odeify.report import markdown_table
+from odeify.inspection.report import markdown_table
 
 __all__ = ["markdown_table"]

@@ -56,8 +56,8 @@ from tables import markdown_table
 from torch import nn
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.fileio import atomic_write_bytes
+from odeify.core.fileio import atomic_write_bytes
+from odeify.models._testing import make_test_model
 from odeify.passes.segments import has_segments
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -15,7 +15,7 @@ import timm.data
 import torch
 
 import odeify
-from odeify.settings import DEFAULT_MODEL_PATH
+from odeify.models import DEFAULT_MODEL_PATH
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -14,10 +14,10 @@ import argparse
 from torch.utils.data import DataLoader
 
 import odeify
-from odeify.datasets import open_data
-from odeify.plots import plot_sweep
-from odeify.settings import DEFAULT_MODEL_PATH
-from odeify.sweep import sweep, sweep_markdown
+from odeify.inspection.plots import plot_sweep
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.train.datasets import open_data
+from odeify.train.sweep import sweep, sweep_markdown
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,7 @@
 
 The shipped digits ResNet is converted, then run as reversible Heun with 2 steps and 2 linear
 knots per stage and ``backward='reversible'`` (exact gradients, no step states kept), which loses
-accuracy; ``odeify.finetune.finetune`` (the loop behind ``odeify finetune``) gets it back with
+accuracy; ``odeify.train.finetune.finetune`` (the loop behind ``odeify finetune``) gets it back with
 the default recipe, distilling from the converted model at native depth.
 """
 
@@ -15,9 +15,9 @@ import argparse
 from dataclasses import replace
 
 import odeify
-from odeify.datasets import open_data
-from odeify.finetune import DEFAULT_RECIPE, finetune, start_processes, stop_processes
-from odeify.settings import DEFAULT_MODEL_PATH
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.train.datasets import open_data
+from odeify.train.finetune import DEFAULT_RECIPE, finetune, start_processes, stop_processes
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 from rich.console import Console
 
 import odeify
-from odeify.dot import converted_to_dot
-from odeify.plots import plot_weight_path
-from odeify.report import describe, format_report_table
-from odeify.settings import DEFAULT_MODEL_PATH
+from odeify.inspection.dot import converted_to_dot
+from odeify.inspection.plots import plot_weight_path
+from odeify.inspection.report import describe, format_report_table
+from odeify.models import DEFAULT_MODEL_PATH
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,9 @@
 """Train odeify's shipped default model: a small timm ResNet on scikit-learn's bundled digits.
 
 No download is needed (the 1797 8x8 digits ship with scikit-learn). The net is
-``odeify.digits.digits_resnet`` (timm ResNet, BasicBlocks, layers (4, 4), channels (16, 32)), so each
+``odeify.models.digits.digits_resnet`` (timm ResNet, BasicBlocks, layers (4, 4), channels (16, 32)), so each
 stage holds a run of same-shape identity blocks for odeify to turn into an ODE stage. Fixed seed,
-80/20 split (``odeify.digits.digits_split``); about 20 s on 2 CPU cores. Run from the repo root:
+80/20 split (``odeify.models.digits.digits_split``); about 20 s on 2 CPU cores. Run from the repo root:
 
     python examples/train_digits.py            # writes odeify/data/digits_resnet.safetensors
 """
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from odeify.checkpoints import save_checkpoint
-from odeify.digits import (
+from odeify.models.checkpoints import save_checkpoint
+from odeify.models.digits import (
     DEFAULT_MODEL_PATH,
     DIGITS_ARCH,
     DIGITS_MEAN,

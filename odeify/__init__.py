@@ -17,26 +17,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "analyze": "odeify.analysis",
-    "convert": "odeify.conversion",
-    "converted_stages": "odeify.conversion",
-    "retarget": "odeify.conversion",
-    "set_backward": "odeify.conversion",
-    "ConfigError": "odeify.errors",
-    "FallbackWarning": "odeify.errors",
-    "ModelLoadError": "odeify.errors",
-    "NoResidualBlocksError": "odeify.errors",
-    "OdeifyError": "odeify.errors",
-    "TraceError": "odeify.errors",
-    "load": "odeify.io",
-    "model_code": "odeify.listing",
-    "save": "odeify.io",
-    "load_model": "odeify.loading",
-    "Block": "odeify.plan",
-    "Plan": "odeify.plan",
-    "Run": "odeify.plan",
-    "ODEStage": "odeify.stage",
-    "Tableau": "odeify.tableaus",
+    "analyze": "odeify.compiler.analysis",
+    "convert": "odeify.compiler.conversion",
+    "converted_stages": "odeify.compiler.conversion",
+    "retarget": "odeify.compiler.conversion",
+    "set_backward": "odeify.compiler.conversion",
+    "ConfigError": "odeify.core.errors",
+    "FallbackWarning": "odeify.core.errors",
+    "ModelLoadError": "odeify.core.errors",
+    "NoResidualBlocksError": "odeify.core.errors",
+    "OdeifyError": "odeify.core.errors",
+    "TraceError": "odeify.core.errors",
+    "load": "odeify.serialization.io",
+    "model_code": "odeify.inspection.listing",
+    "save": "odeify.serialization.io",
+    "load_model": "odeify.models.loading",
+    "Block": "odeify.ir.plan",
+    "Plan": "odeify.ir.plan",
+    "Run": "odeify.ir.plan",
+    "ODEStage": "odeify.runtime.stage",
+    "Tableau": "odeify.numerics.tableaus",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
@@ -56,23 +56,23 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
-    from odeify.analysis import analyze as analyze
-    from odeify.conversion import convert as convert
-    from odeify.conversion import converted_stages as converted_stages
-    from odeify.conversion import retarget as retarget
-    from odeify.conversion import set_backward as set_backward
-    from odeify.errors import ConfigError as ConfigError
-    from odeify.errors import FallbackWarning as FallbackWarning
-    from odeify.errors import ModelLoadError as ModelLoadError
-    from odeify.errors import NoResidualBlocksError as NoResidualBlocksError
-    from odeify.errors import OdeifyError as OdeifyError
-    from odeify.errors import TraceError as TraceError
-    from odeify.io import load as load
-    from odeify.io import save as save
-    from odeify.listing import model_code as model_code
-    from odeify.loading import load_model as load_model
-    from odeify.plan import Block as Block
-    from odeify.plan import Plan as Plan
-    from odeify.plan import Run as Run
-    from odeify.stage import ODEStage as ODEStage
-    from odeify.tableaus import Tableau as Tableau
+    from odeify.compiler.analysis import analyze as analyze
+    from odeify.compiler.conversion import convert as convert
+    from odeify.compiler.conversion import converted_stages as converted_stages
+    from odeify.compiler.conversion import retarget as retarget
+    from odeify.compiler.conversion import set_backward as set_backward
+    from odeify.core.errors import ConfigError as ConfigError
+    from odeify.core.errors import FallbackWarning as FallbackWarning
+    from odeify.core.errors import ModelLoadError as ModelLoadError
+    from odeify.core.errors import NoResidualBlocksError as NoResidualBlocksError
+    from odeify.core.errors import OdeifyError as OdeifyError
+    from odeify.core.errors import TraceError as TraceError
+    from odeify.inspection.listing import model_code as model_code
+    from odeify.ir.plan import Block as Block
+    from odeify.ir.plan import Plan as Plan
+    from odeify.ir.plan import Run as Run
+    from odeify.models.loading import load_model as load_model
+    from odeify.numerics.tableaus import Tableau as Tableau
+    from odeify.runtime.stage import ODEStage as ODEStage
+    from odeify.serialization.io import load as load
+    from odeify.serialization.io import save as save

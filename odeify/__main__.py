@@ -2,6 +2,6 @@
 
 import sys
 
-from odeify.cli import main
+from odeify.cli.parser import main
 
 sys.exit(main())

@@ -8,6 +8,6 @@ contract's one runner. In pipeline order:
 * transformations: ``fold_bn.fold_batchnorm``, ``lift.lift_runs``, ``lower.lower_stages`` /
   ``lower.raise_stages``, ``segments.checkpoint_segments`` / ``segments.inline_segments``.
 
-Shape annotation (``odeify.tracing.annotate_shapes``) is declared the same way and ensures the
+Shape annotation (``odeify.passes.tracing.annotate_shapes``) is declared the same way and ensures the
 ``shapes`` property the analyses require. ``graph_utils`` holds the small helpers passes share.
 """

@@ -71,7 +71,8 @@ def run_pass(spec: PassSpec, fn: Callable[..., R], gm: fx.GraphModule, *args, **
         raise PassContractError(
             f"pass {spec.name!r} requires {', '.join(missing)} on the graph, which has "
             f"{', '.join(sorted(have)) or 'none'}; run the pass that ensures it first "
-            "(shapes: odeify.tracing.annotate_shapes; blocks/runs: odeify.analysis.analyze_graph)."
+            "(shapes: odeify.passes.tracing.annotate_shapes; blocks/runs: "
+            "odeify.compiler.analysis.analyze_graph)."
         )
     before = None if spec.modifies_graph else _fingerprint(gm)
     result = fn(gm, *args, **kwargs)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
-from odeify.errors import ConfigError
+from odeify.core.errors import ConfigError
 from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.graph_utils import fetch_attr, set_attr
 

@@ -20,13 +20,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.dtypes import model_dtype
-from odeify.ir import Slot, StageIR
-from odeify.meta import tag
+from odeify.core.dtypes import model_dtype
+from odeify.ir.meta import tag
+from odeify.ir.plan import Run
+from odeify.ir.stage_ir import Slot, StageIR
 from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.graph_utils import fetch_attr, identity_sources, owner_of, unique_name
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
-from odeify.plan import Run
 
 LIFT_RUNS = PassSpec(
     "lift_runs",

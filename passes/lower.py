@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from odeify.emit import StageWriter, write_stage
-from odeify.ir import StageIR
-from odeify.meta import node_tag, tag
+from odeify.codegen.emit import StageWriter, write_stage
+from odeify.ir.meta import node_tag, tag
+from odeify.ir.stage_ir import StageIR
 from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.segments import inline_segments
 

@@ -4,7 +4,7 @@ A block is a *join* (an add of two same-shape tensors) and its *fork*, the join'
 dominator among data nodes. The region between them must be single-entry/single-exit, apart from
 side chains that never reach the output (``torch._assert``). An add inside another block's branch
 is part of that branch, not a block of its own (ConvNeXt-V2's GlobalResponseNorm computes
-``x + f(x)`` inside every block). Results go to each node's :class:`odeify.meta.NodeTag`.
+``x + f(x)`` inside every block). Results go to each node's :class:`odeify.ir.meta.NodeTag`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import dataclasses
 import networkx as nx
 import torch.fx as fx
 
-from odeify.meta import tag, untag
+from odeify.ir.meta import tag, untag
+from odeify.ir.plan import Block
 from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.graph_utils import (
     activation_of,
@@ -27,8 +28,7 @@ from odeify.passes.graph_utils import (
     node_tensors,
     weight_expressions,
 )
-from odeify.plan import Block
-from odeify.tracing import node_shape
+from odeify.passes.tracing import node_shape
 
 FIND_BLOCKS = PassSpec(
     "find_blocks",

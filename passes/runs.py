@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.meta import tag
+from odeify.ir.meta import tag
+from odeify.ir.plan import Block, Discrete, Run
 from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.graph_utils import common_prefix, fetch_attr, is_pass_through, module_config, unique_name
-from odeify.plan import Block, Discrete, Run
 
 GROUP_RUNS = PassSpec(
     "group_runs",
@@ -164,7 +164,7 @@ def _extend(
 
 def as_pre_activation(block: Block, nodes: dict[str, fx.Node]) -> Block:
     """The same block read as pre-activation: the join is its output, the activation is outside."""
-    from odeify.tracing import node_shape
+    from odeify.passes.tracing import node_shape
 
     return replace(
         block, output=block.join, form="pre", activation=None, out_shape=node_shape(nodes[block.join])

@@ -14,11 +14,11 @@ recompute, so DropPath masks and mixed precision come out the same; it needs no 
 grad; and torch.compile traces it (a ``tag_activation_checkpoint`` region that the compiled
 backward recomputes), so compiled segments stay compiled. A segment is recomputed as a whole, in
 order, so one RNG state per segment is all it needs (the stages, which re-run single steps and
-field evaluations out of order, record draws per graph node instead: see ``odeify.rng_tape``).
+field evaluations out of order, record draws per graph node instead: see ``odeify.runtime.rng_tape``).
 
 Recompute is exact because converted models fold BatchNorm into the convs. A BatchNorm that is
 still there and in training mode would update its running statistics a second time on recompute:
-a segment refuses to run one (:class:`~odeify.errors.ConfigError`).
+a segment refuses to run one (:class:`~odeify.core.errors.ConfigError`).
 
 The segment owns no parameters: the segmented graph fetches the tensors and modules a segment
 uses with ``get_attr`` nodes and passes them in, so the model's ``state_dict``, parameter names and
@@ -37,9 +37,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-from odeify.errors import ConfigError
-from odeify.ir import StageIR
-from odeify.meta import node_tag, tag
+from odeify.core.errors import ConfigError
+from odeify.ir.meta import node_tag, tag
+from odeify.ir.stage_ir import StageIR
 from odeify.passes.contract import PassSpec, graph_pass
 
 __all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments"]

@@ -18,7 +18,7 @@ from timm.optim import create_optimizer_v2
 from timm.utils import CheckpointSaver, ModelEmaV3
 from torch import nn
 
-from odeify.timm_interface import default_input_size
+from odeify.models.timm_interface import default_input_size
 
 
 def train_checkpoint(model: nn.Module, folder: Path, arch: str, num_classes: int, epochs: int = 2) -> Path:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from odeify._testing import make_test_model
+from odeify.models._testing import make_test_model
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest-xdist runs one worker per core: one torch thread each, or the workers' thread pools

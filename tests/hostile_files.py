@@ -222,8 +222,8 @@ def _alarm(signum: int, frame: object) -> None:
 def run_cases(cases: dict[str, str], limit_s: float, emit: Callable[[dict], None]) -> None:
     """Load each case (name -> path) with ``odeify.load``; ``emit`` one outcome record per case."""
     import odeify
-    import odeify.io  # imported before the clock starts
-    from odeify.errors import OdeifyError
+    import odeify.serialization.io  # imported before the clock starts
+    from odeify.core.errors import OdeifyError
 
     signal.signal(signal.SIGALRM, _alarm)
     for name, path in cases.items():

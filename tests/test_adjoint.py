@@ -1,4 +1,4 @@
-"""Memory-saving backward modes (odeify.adjoint) against autograd through the unrolled stage."""
+"""Memory-saving backward modes (odeify.runtime.adjoint) against autograd through the unrolled stage."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from timm.layers import DropPath
 from torch import nn
 
 import odeify
-from odeify import adjoint, emit, rerun, reversible
-from odeify._testing import make_test_model
-from odeify.digits import DEFAULT_MODEL_PATH, load_digits
-from odeify.errors import ConfigError
-from odeify.loading import load_model
+from odeify.codegen import emit
+from odeify.core.errors import ConfigError
+from odeify.models._testing import make_test_model
+from odeify.models.digits import DEFAULT_MODEL_PATH, load_digits
+from odeify.models.loading import load_model
+from odeify.runtime import adjoint, rerun, reversible
 
 FP64_TOL = {"checkpoint": 1e-12, "reversible": 1e-10}
 """Relative gradient error allowed vs backprop in float64, where both are exact to round-off."""

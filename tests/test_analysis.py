@@ -20,13 +20,13 @@ from timm.layers import DropPath
 from torch import nn
 
 import odeify
-from odeify.analysis import analyze_graph, trace_and_annotate
-from odeify.errors import ModelLoadError, NoResidualBlocksError, TraceError
-from odeify.meta import NodeTag, node_tag
+from odeify.compiler.analysis import analyze_graph, trace_and_annotate
+from odeify.core.errors import ModelLoadError, NoResidualBlocksError, TraceError
+from odeify.ir.meta import NodeTag, node_tag
+from odeify.ir.plan import Plan, Run
 from odeify.passes.graph_utils import live_nodes
 from odeify.passes.residual_blocks import find_blocks
 from odeify.passes.runs import block_node_list
-from odeify.plan import Plan, Run
 
 # --- helpers ---------------------------------------------------------------------------------------
 

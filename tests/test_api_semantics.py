@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 import odeify
-from odeify.digits import DIGITS_SIZE
-from odeify.errors import ConfigError, OdeifyError
-from odeify.loading import load_model
-from odeify.settings import DEFAULT_MODEL_PATH
+from odeify.core.errors import ConfigError, OdeifyError
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.digits import DIGITS_SIZE
+from odeify.models.loading import load_model
 
 SHAPE = (4, 1, DIGITS_SIZE, DIGITS_SIZE)
 

@@ -1,5 +1,5 @@
-"""Tests for odeify.bases against independent oracles: numpy/scipy interpolation, exact piecewise-cubic
-reconstruction for C2 continuity, float64 least squares, and exact round trips."""
+"""Tests for odeify.numerics.bases against independent oracles: numpy/scipy interpolation, exact
+piecewise-cubic reconstruction for C2 continuity, float64 least squares, and exact round trips."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from odeify.bases import BASES, MAX_KNOTS, fit_matrix, get_basis, validate_knots
-from odeify.errors import ConfigError
+from odeify.core.errors import ConfigError
+from odeify.numerics.bases import BASES, MAX_KNOTS, fit_matrix, get_basis, validate_knots
 
 F = Fraction
 NAMES = sorted(BASES)

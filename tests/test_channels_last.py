@@ -15,8 +15,8 @@ import torch
 import torch.fx as fx
 
 import odeify
-from odeify.digits import DEFAULT_MODEL_PATH
-from odeify.loading import load_model
+from odeify.models.digits import DEFAULT_MODEL_PATH
+from odeify.models.loading import load_model
 from odeify.passes.segments import checkpoint_segments
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -24,11 +24,11 @@ from timm.models import load_checkpoint
 from torch import nn
 
 import odeify
-import odeify.loading
-from odeify._testing import make_test_model
-from odeify.checkpoints import META_ARCH, META_KWARGS
-from odeify.errors import ModelLoadError
-from odeify.loading import load_model
+import odeify.models.loading
+from odeify.core.errors import ModelLoadError
+from odeify.models._testing import make_test_model
+from odeify.models.checkpoints import META_ARCH, META_KWARGS
+from odeify.models.loading import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,7 +181,8 @@ def test_build_kwargs_from_files_are_allowlisted(tmp_path: Path, r18: nn.Module)
 
 
 def test_pretrained_offline_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(odeify.loading, "_cached_hub_weights", lambda repo: None)  # as on a fresh machine
+    # as on a fresh machine
+    monkeypatch.setattr(odeify.models.loading, "_cached_hub_weights", lambda repo: None)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()
     with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE") as info:
@@ -207,7 +208,7 @@ def test_pretrained_offline_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPa
     started = time.perf_counter()
     with pytest.raises(ModelLoadError, match="did not answer within 2 s"):
         load_model("resnet18", pretrained=True)
-    assert time.perf_counter() - started < odeify.loading.PROBE_TIMEOUT_S + 2
+    assert time.perf_counter() - started < odeify.models.loading.PROBE_TIMEOUT_S + 2
     answered.set()  # let the abandoned probe thread end now, not in a later test
 
 
@@ -216,7 +217,7 @@ def test_pretrained_weights_in_the_local_cache_load_without_network(
 ) -> None:
     weights = make_test_model("resnet18")  # stands in for timm's resnet18.a1_in1k, as the hub cache holds it
     cached = plain_safetensors(weights, tmp_path / "model.safetensors")
-    monkeypatch.setattr(odeify.loading, "_cached_hub_weights", lambda repo: cached)
+    monkeypatch.setattr(odeify.models.loading, "_cached_hub_weights", lambda repo: cached)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert _same_outputs(load_model("resnet18", pretrained=True), weights)
     headless = load_model("resnet18", pretrained=True, num_classes=5)  # timm drops the 1000-class head

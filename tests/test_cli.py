@@ -20,10 +20,10 @@ import torch
 from precision import as_float64, assert_as_accurate_as
 
 import odeify
-from odeify.cli import main
-from odeify.commands import verify
-from odeify.digits import load_digits
-from odeify.settings import DEFAULT_MODEL_PATH
+from odeify.cli.commands import verify
+from odeify.cli.parser import main
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.digits import load_digits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,7 +54,7 @@ def converted_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def digits_accuracy(model: torch.nn.Module) -> float:
-    """The digits test accuracy by a plain argmax loop (not odeify.evaluate)."""
+    """The digits test accuracy by a plain argmax loop (not odeify.train.evaluate)."""
     x, y = load_digits("test")
     with torch.no_grad():
         return (model.eval()(x).argmax(1) == y).double().mean().item()
@@ -85,7 +85,7 @@ def test_help_version_and_list_do_not_import_torch() -> None:
     """`odeify --help`, `--version` and `list` answer without importing torch or timm."""
     code = (
         "import sys, contextlib, io\n"
-        "from odeify.cli import main\n"
+        "from odeify.cli.parser import main\n"
         "out = io.StringIO()\n"
         "for argv in (['--help'], ['list'], ['--version']):\n"
         "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
@@ -225,7 +225,7 @@ def test_convert_steps_multiplier(capsys: pytest.CaptureFixture[str]) -> None:
 def test_convert_a_timm_training_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from checkpoint_files import train_checkpoint
 
-    from odeify._testing import make_test_model
+    from odeify.models._testing import make_test_model
 
     path = train_checkpoint(make_test_model("resnet18", num_classes=7), tmp_path, "resnet18", 7)
     argv = [

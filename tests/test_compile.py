@@ -19,9 +19,9 @@ from precision import assert_as_accurate_as
 from torch._dynamo.backends.registry import lookup_backend
 
 import odeify
-from odeify.digits import DEFAULT_MODEL_PATH
-from odeify.dtypes import model_dtype
-from odeify.loading import load_model
+from odeify.core.dtypes import model_dtype
+from odeify.models.digits import DEFAULT_MODEL_PATH
+from odeify.models.loading import load_model
 from odeify.passes.segments import Segment, checkpoint_segments
 
 pytestmark = pytest.mark.usefixtures("one_thread")

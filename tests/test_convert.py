@@ -24,12 +24,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.bases import MAX_KNOTS
-from odeify.conversion import converted_stages
-from odeify.digits import DIGITS_ARCH
-from odeify.errors import ConfigError
-from odeify.tableaus import KNOWN_INTEGRATORS, Tableau
+from odeify.compiler.conversion import converted_stages
+from odeify.core.errors import ConfigError
+from odeify.models._testing import make_test_model
+from odeify.models.digits import DIGITS_ARCH
+from odeify.numerics.bases import MAX_KNOTS
+from odeify.numerics.tableaus import KNOWN_INTEGRATORS, Tableau
 
 SHAPE = (1, 3, 64, 64)  # small: exactness does not depend on the spatial size
 BASES = ("constant", "linear", "cubic")
@@ -265,12 +265,13 @@ def test_retarget_needs_a_converted_model(digits) -> None:
 
 # --- retargeting the basis: when knots can serve another basis ----------------------------------------
 #
-# Rule (odeify.conversion._change_knots): a stage may switch basis with its knots as they are only when it
-# has one knot per block. Those knots are the blocks' weights, which every basis interpolates, so native
-# Euler stays exact. Knots compressed by least squares (or refined) under one basis are values of that
-# basis's weight path; reading them with another basis would silently swap the weight path for one that
-# is neither the old path nor the least-squares fit under the new basis. That is a ConfigError, unless
-# the same call also sets the knot count, which explicitly resamples the current path.
+# Rule (odeify.compiler.conversion._change_knots): a stage may switch basis with its knots as they
+# are only when it has one knot per block. Those knots are the blocks' weights, which every basis
+# interpolates, so native Euler stays exact. Knots compressed by least squares (or refined) under
+# one basis are values of that basis's weight path; reading them with another basis would silently
+# swap the weight path for one that is neither the old path nor the least-squares fit under the new
+# basis. That is a ConfigError, unless the same call also sets the knot count, which explicitly
+# resamples the current path.
 
 
 def test_basis_switch_on_native_knots_keeps_native_exactness(digits, digits_converted, image) -> None:

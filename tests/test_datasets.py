@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 
 import odeify
-from odeify.cli import main
-from odeify.datasets import DataError, make_loader, open_data
-from odeify.digits import DIGITS_MEAN, DIGITS_STD, load_digits
-from odeify.settings import DEFAULT_MODEL_PATH
+from odeify.cli.parser import main
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.digits import DIGITS_MEAN, DIGITS_STD, load_digits
+from odeify.train.datasets import DataError, make_loader, open_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,7 +47,7 @@ def test_digits_are_the_split_the_model_was_trained_on(native: torch.nn.Module) 
 
 
 def test_digits_refuse_a_model_with_other_inputs() -> None:
-    from odeify._testing import make_test_model
+    from odeify.models._testing import make_test_model
 
     with pytest.raises(DataError, match="1-channel"):
         open_data("digits", make_test_model("resnet18"))

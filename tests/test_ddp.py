@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import odeify
-from odeify.digits import DEFAULT_MODEL_PATH
-from odeify.loading import load_model
+from odeify.models.digits import DEFAULT_MODEL_PATH
+from odeify.models.loading import load_model
 
 WORLD = 2
 BATCH = 8

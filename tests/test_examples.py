@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import odeify
-from odeify.digits import load_digits
+from odeify.models.digits import load_digits
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

@@ -1,4 +1,4 @@
-"""The fine-tuning loop (odeify.finetune): checkpoints, exact resume, divergence, refinement, DDP.
+"""The fine-tuning loop (odeify.train.finetune): checkpoints, exact resume, divergence, refinement, DDP.
 
 Runs on the shipped digits model, a few small batches per epoch. The oracles: a run resumed
 after a crash (in-process, and after SIGKILL in a subprocess) against an uninterrupted run with
@@ -28,8 +28,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Dataset, TensorDataset
 
 import odeify
-from odeify.datasets import LabelledData, open_data
-from odeify.finetune import (
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.train.datasets import LabelledData, open_data
+from odeify.train.finetune import (
     BEST_FILE,
     DEFAULT_RECIPE,
     EMA_WARMUP_POWER,
@@ -41,7 +42,6 @@ from odeify.finetune import (
     learning_rate_factor,
     refine,
 )
-from odeify.settings import DEFAULT_MODEL_PATH
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,7 +70,7 @@ def quiet(*_: object) -> None:
 
 
 def accuracy(model: torch.nn.Module, dataset: TensorDataset) -> float:
-    """Independent of odeify.evaluate: one batch, argmax, compare."""
+    """Independent of odeify.train.evaluate: one batch, argmax, compare."""
     x, y = dataset.tensors
     model.eval()
     with torch.no_grad():

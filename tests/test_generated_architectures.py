@@ -44,8 +44,8 @@ from timm.models.resnetv2 import ResNetV2
 from torch import nn
 
 import odeify
-from odeify._testing import _randomize
-from odeify.errors import NoResidualBlocksError
+from odeify.core.errors import NoResidualBlocksError
+from odeify.models._testing import _randomize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,7 +18,7 @@ import pytest
 from hostile_files import write_cases
 
 import odeify
-from odeify.digits import DEFAULT_MODEL_PATH
+from odeify.models.digits import DEFAULT_MODEL_PATH
 
 LIMIT_S = 20.0  # per case; a clean refusal takes milliseconds, a refusal after a rebuild a few seconds
 HERE = Path(__file__).parent

@@ -29,7 +29,7 @@ def test_install_exposes_only_the_odeify_package(tmp_path: Path) -> None:
     assert "passes" not in top_level
     assert "odeify" in top_level and (target / "odeify" / "passes" / "lift.py").is_file()
     check = (
-        "import odeify, odeify.passes.lift, odeify.conversion; "
+        "import odeify, odeify.passes.lift, odeify.compiler.conversion; "
         "print(odeify.__file__); print(odeify.passes.lift.__file__)"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}

@@ -26,9 +26,9 @@ import torchdiffeq
 from torch import nn
 
 import odeify
-from odeify.conversion import converted_stages
-from odeify.digits import DEFAULT_MODEL_PATH, load_digits
-from odeify.tableaus import TABLEAUS, ReversibleHeun, Tableau
+from odeify.compiler.conversion import converted_stages
+from odeify.models.digits import DEFAULT_MODEL_PATH, load_digits
+from odeify.numerics.tableaus import TABLEAUS, ReversibleHeun, Tableau
 
 # steps per integrator: multiples of the stage depth (4) in the asymptotic range of each method
 ORDER_STEPS = {

@@ -18,13 +18,13 @@ from checkpoint_files import train_checkpoint
 from torch import nn
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.checkpoints import save_checkpoint
-from odeify.digits import DEFAULT_MODEL_PATH, DIGITS_ARCH, load_digits
-from odeify.errors import ModelLoadError, OdeifyError
-from odeify.fileio import atomic_path
-from odeify.io import RECIPE_KEY, load, save
-from odeify.timm_interface import ConvertedModel
+from odeify.core.errors import ModelLoadError, OdeifyError
+from odeify.core.fileio import atomic_path
+from odeify.models._testing import make_test_model
+from odeify.models.checkpoints import save_checkpoint
+from odeify.models.digits import DEFAULT_MODEL_PATH, DIGITS_ARCH, load_digits
+from odeify.models.timm_interface import ConvertedModel
+from odeify.serialization.io import RECIPE_KEY, load, save
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -258,7 +258,7 @@ def test_failed_save_leaves_previous_file_intact(tmp_path, digits_ode, monkeypat
     def broken(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("odeify.fileio.os.replace", broken)  # fail after the new bytes are written
+    monkeypatch.setattr("odeify.core.fileio.os.replace", broken)  # fail after the new bytes are written
     with pytest.raises(OdeifyError, match="No space left"):
         save(odeify.retarget(digits_ode, steps=2), path)
     assert path.read_bytes() == before
@@ -267,7 +267,7 @@ def test_failed_save_leaves_previous_file_intact(tmp_path, digits_ode, monkeypat
 
 _KILLED_WRITER = """
 import sys, time
-from odeify.fileio import atomic_path
+from odeify.core.fileio import atomic_path
 with atomic_path(sys.argv[1]) as tmp:
     with open(tmp, "wb") as fh:
         fh.write(b"half of a large model")

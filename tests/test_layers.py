@@ -1,11 +1,11 @@
-"""The modules form a straight line of layers: each imports only from its own layer or below.
+"""The folders are layers in a straight line: a module imports only from its own folder or below.
 
-The layers, lowest first, are listed in ``LAYERS`` (docs/architecture.md explains them). Every
-module of the package must be in exactly one layer, so a new module has to be placed before this
-test passes. Imports are read from the source (top-level, inside functions, and under
-TYPE_CHECKING alike), and within a layer the import graph must be acyclic. A second check imports
-each layer in a fresh process where every module above it is blocked, as a user of that layer alone
-would.
+``LAYERS`` lists the folders of the package, lowest first (docs/architecture.md explains each);
+``odeify.passes`` is the folder ``passes/`` at the top of the repository. A module's layer is its
+folder, so every module has exactly one, and a new folder must be placed here before this test
+passes. Imports are read from the source (top-level, inside functions and under TYPE_CHECKING
+alike), and the import graph must be acyclic. A second check imports each layer in a fresh process
+where every module above it is blocked, as a user of that layer alone would.
 """
 
 from __future__ import annotations
@@ -22,67 +22,58 @@ import pytest
 import odeify
 import odeify.passes
 
-LAYERS: list[tuple[str, set[str]]] = [
-    (
-        "foundation",
-        {"errors", "dtypes", "settings", "fileio", "budget", "stats", "meta", "plan", "bases", "tableaus"},
-    ),
-    ("ir", {"ir"}),
-    ("codegen", {"emit"}),
-    ("runtime", {"rerun", "rng_tape", "adjoint", "reversible", "stage"}),
-    ("passes", {"passes", "tracing"}),  # the frontend (fx tracing) and every module of odeify.passes
-    (
-        "api",
-        {
-            "archs",
-            "checkpoints",
-            "loading",
-            "digits",
-            "timm_interface",
-            "_testing",
-            "datasets",
-            "recipe",
-            "analysis",
-            "conversion",
-            "io",
-            "listing",
-            "report",
-            "dot",
-        },
-    ),  # fmt: skip
-    (
-        "apps",
-        {"console", "evaluate", "sweep", "plots", "finetune", "demo", "commands", "cli"}
-        | {"__main__", "__init__"},
-    ),
+LAYERS = [
+    "core",  # errors, atomic writes, budgets, the model-dtype rule
+    "numerics",  # bases (weight paths) and Butcher tableaus, exact
+    "ir",  # settings, the analysis plan, the node-meta schema, the stage IR
+    "codegen",  # fx graphs of a stage's computation
+    "runtime",  # ODEStage and the backward modes
+    "passes",  # tracing and every graph pass (passes/ at the repository's top)
+    "models",  # names, checkpoint files, the digits model, timm's interface
+    "compiler",  # the pipelines and their runner, the conversion record
+    "serialization",  # the recipe, save and load
+    "inspection",  # tables, listings, Graphviz, plots
+    "train",  # datasets, evaluation, sweeps, fine-tuning
+    "cli",  # the odeify command
 ]
+TOP = {"__init__", "__main__"}  # the public surface and `python -m odeify`: above every folder
 
 
 def _package_modules() -> dict[str, Path]:
-    """Every module of odeify and odeify.passes, by short name ('stage', 'passes.lift')."""
-    found = {}
-    for folder, prefix in (
-        (Path(odeify.__file__).parent, ""),
-        (Path(odeify.passes.__file__).parent, "passes."),
-    ):
-        for path in folder.glob("*.py"):
-            found[prefix + path.stem] = path
+    """Every module of odeify by dotted name below odeify: 'runtime.stage', 'passes.lift', '__init__'."""
+    root = Path(odeify.__file__).parent
+    found = {path.stem: path for path in root.glob("*.py")}
+    for path in root.glob("*/*.py"):
+        found[f"{path.parent.name}.{path.stem}"] = path
+    for path in Path(odeify.passes.__file__).parent.glob("*.py"):
+        found[f"passes.{path.stem}"] = path
     return found
 
 
 def _layer_of(module: str) -> int:
-    key = "passes" if module.startswith("passes") else module
-    homes = [i for i, (_, names) in enumerate(LAYERS) if key in names]
-    assert len(homes) == 1, f"odeify module '{module}' must be in exactly one layer of LAYERS (in {homes})"
-    return homes[0]
+    if module in TOP:
+        return len(LAYERS)
+    folder = module.split(".")[0]
+    assert folder in LAYERS and "." in module, f"odeify.{module} is in no layer folder of LAYERS"
+    return LAYERS.index(folder)
+
+
+def _layer_name(index: int) -> str:
+    return LAYERS[index] if index < len(LAYERS) else "top"
 
 
 def _imports(path: Path) -> set[str]:
-    """The odeify modules ``path`` imports, as short names."""
+    """The odeify modules ``path`` imports, as dotted names below odeify.
+
+    ``from odeify.cli import commands`` imports the module ``cli.commands``; a name that is not a
+    module (``from odeify.models import DEFAULT_MODEL_PATH``) comes from the folder's ``__init__``.
+    The package root (``odeify/__init__.py``: lazy, it imports no module until a name is used) is
+    imported by Python before any module of it, so reading ``odeify.__version__`` is no upward edge.
+    """
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            targets = [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         else:
@@ -91,15 +82,25 @@ def _imports(path: Path) -> set[str]:
             parts = target.split(".")
             if parts[0] != "odeify" or len(parts) < 2:
                 continue
-            short = ".".join(parts[1:3]) if parts[1] == "passes" and len(parts) > 2 else parts[1]
-            names.add(short)
+            if parts[1].startswith("__"):
+                continue  # `from odeify import __version__`: the package root, imported before any module
+            if len(parts) == 2 or f"{parts[1]}.{parts[2]}" not in MODULES:
+                names.add(f"{parts[1]}.__init__")
+            else:
+                names.add(f"{parts[1]}.{parts[2]}")
     return names
 
 
 MODULES = _package_modules()
+MODULES.update({f"{f}.__init__": Path(odeify.__file__).parent / f / "__init__.py" for f in LAYERS})
+MODULES["passes.__init__"] = Path(odeify.passes.__file__)
 
 
-def test_every_module_has_a_layer() -> None:
+def test_every_folder_is_a_layer_and_every_module_in_one() -> None:
+    root = Path(odeify.__file__).parent
+    folders = {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders | {"passes"} == set(LAYERS), "a package folder is not in LAYERS, or a layer has no folder"
+    assert {m for m in MODULES if "." not in m} == TOP, "odeify/ holds only __init__ and __main__"
     for module in MODULES:
         _layer_of(module)
 
@@ -108,11 +109,11 @@ def test_every_module_has_a_layer() -> None:
 def test_imports_point_down(module: str) -> None:
     own = _layer_of(module)
     upward = {
-        name: LAYERS[_layer_of(name)][0]
+        name: _layer_name(_layer_of(name))
         for name in _imports(MODULES[module])
         if name in MODULES and _layer_of(name) > own
     }
-    assert not upward, f"odeify.{module} ({LAYERS[own][0]}) imports from layers above it: {upward}"
+    assert not upward, f"odeify.{module} ({_layer_name(own)}) imports from layers above it: {upward}"
 
 
 def test_no_import_cycles() -> None:
@@ -139,15 +140,17 @@ for name in sys.argv[2].split(","):
 """
 
 
-@pytest.mark.parametrize("layer", [name for name, _ in LAYERS[:5]])
+def _dotted(module: str) -> str:
+    if module in TOP:
+        return "odeify" if module == "__init__" else "odeify.__main__"
+    return "odeify." + module.removesuffix(".__init__")
+
+
+@pytest.mark.parametrize("layer", LAYERS[:8])
 def test_each_layer_imports_without_the_layers_above(layer: str) -> None:
-    index = next(i for i, (name, _) in enumerate(LAYERS) if name == layer)
-
-    def dotted(module: str) -> str:
-        return f"odeify.{module}" if module != "__init__" else "odeify"
-
-    below = [dotted(m) for m in MODULES if _layer_of(m) <= index]
-    above = [dotted(m) for m in MODULES if _layer_of(m) > index and m != "__init__"]
+    index = LAYERS.index(layer)
+    below = [_dotted(m) for m in MODULES if _layer_of(m) <= index]
+    above = [_dotted(m) for m in MODULES if _layer_of(m) > index and m not in TOP]
     done = subprocess.run(
         [sys.executable, "-c", BLOCKER, ",".join(above), ",".join(below)],
         capture_output=True,

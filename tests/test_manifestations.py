@@ -20,11 +20,11 @@ from precision import as_float64, assert_as_accurate_as
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.bases import get_basis
-from odeify.conversion import converted_stages
-from odeify.emit import count_evaluations
-from odeify.meta import node_tag
+from odeify.codegen.emit import count_evaluations
+from odeify.compiler.conversion import converted_stages
+from odeify.ir.meta import node_tag
+from odeify.models._testing import make_test_model
+from odeify.numerics.bases import get_basis
 
 SHAPE = (1, 3, 64, 64)
 BASES = ("constant", "linear", "cubic")

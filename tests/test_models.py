@@ -1,4 +1,4 @@
-"""Tests for odeify.loading and odeify.checkpoints (names/files -> modules) and odeify.fileio."""
+"""odeify.models.loading and odeify.models.checkpoints (names/files -> modules), odeify.core.fileio."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from odeify._testing import make_test_model
-from odeify.checkpoints import read_checkpoint_metadata, save_checkpoint
-from odeify.digits import DEFAULT_MODEL_PATH, DIGITS_ARCH, digits_split, load_digits
-from odeify.errors import ModelLoadError, OdeifyError
-from odeify.fileio import atomic_path, atomic_write_bytes
-from odeify.loading import load_model
-from odeify.timm_interface import default_input_size
+from odeify.core.errors import ModelLoadError, OdeifyError
+from odeify.core.fileio import atomic_path, atomic_write_bytes
+from odeify.models._testing import make_test_model
+from odeify.models.checkpoints import read_checkpoint_metadata, save_checkpoint
+from odeify.models.digits import DEFAULT_MODEL_PATH, DIGITS_ARCH, digits_split, load_digits
+from odeify.models.loading import load_model
+from odeify.models.timm_interface import default_input_size
 
 
 def _digits_test_model(seed: int = 0, **kwargs: object) -> nn.Module:
@@ -187,7 +187,7 @@ def test_failed_save_checkpoint_keeps_old_checkpoint(tmp_path: Path, monkeypatch
     save_checkpoint(model, path, DIGITS_ARCH, {})
     before = path.read_bytes()
 
-    import odeify.fileio
+    import odeify.core.fileio
 
     real_open = open
 
@@ -199,7 +199,7 @@ def test_failed_save_checkpoint_keeps_old_checkpoint(tmp_path: Path, monkeypatch
             raise OSError("simulated crash midway")
         return handle
 
-    monkeypatch.setattr(odeify.fileio, "open", crashing_open, raising=False)
+    monkeypatch.setattr(odeify.core.fileio, "open", crashing_open, raising=False)
     with pytest.raises(OSError, match="simulated"):
         save_checkpoint(_digits_test_model(seed=1), path, DIGITS_ARCH, {})
     assert path.read_bytes() == before

@@ -21,13 +21,13 @@ from torch import nn
 
 import odeify
 import odeify.passes as passes
-from odeify.analysis import analyze_graph
+from odeify.compiler.analysis import analyze_graph
 from odeify.passes.contract import PassContractError, PassSpec, graph_pass, graph_properties
 from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.passes.residual_blocks import find_blocks
 from odeify.passes.segments import checkpoint_segments, has_segments, inline_segments
-from odeify.tracing import annotate_shapes, trace
+from odeify.passes.tracing import annotate_shapes, trace
 
 SHAPE = (2, 3, 48, 48)  # small, yet every stage keeps a spatial extent above 1x1
 MODELS: dict[str, tuple[str, dict]] = {

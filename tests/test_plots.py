@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import odeify
-from odeify.finetune import EpochRecord
-from odeify.plots import plot_history, plot_memory, plot_sweep, plot_weight_path, weight_path
-from odeify.settings import DEFAULT_MODEL_PATH
-from odeify.sweep import SweepPoint
+from odeify.inspection.plots import plot_history, plot_memory, plot_sweep, plot_weight_path, weight_path
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.train.finetune import EpochRecord
+from odeify.train.sweep import SweepPoint
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""Tests for odeify.report: describe() on converted models and the rich tables."""
+"""Tests for odeify.inspection.report: describe() on converted models and the rich tables."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from rich.console import Console
 from torch import nn
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.errors import ConfigError
-from odeify.report import (
+from odeify.core.errors import ConfigError
+from odeify.inspection.report import (
     ConversionReport,
     describe,
     format_discrete_table,
@@ -20,6 +19,7 @@ from odeify.report import (
     format_report_table,
     markdown_table,
 )
+from odeify.models._testing import make_test_model
 
 SIZE = (3, 64, 64)
 RESNET18_RUNS = {"layer1": 2, "layer2": 1, "layer3": 1, "layer4": 1}

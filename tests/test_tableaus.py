@@ -1,4 +1,4 @@
-"""Tests for odeify.tableaus: order conditions written out by hand, a numerical convergence oracle,
+"""Tests for odeify.numerics.tableaus: order conditions written out by hand, a numerical convergence oracle,
 validation errors and integrator resolution."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from fractions import Fraction
 
 import pytest
 
-from odeify.errors import ConfigError
-from odeify.tableaus import (
+from odeify.core.errors import ConfigError
+from odeify.numerics.tableaus import (
     KNOWN_INTEGRATORS,
     TABLEAUS,
     ReversibleHeun,

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import odeify
-from odeify import emit
-from odeify.digits import DIGITS_SIZE
-from odeify.loading import load_model
-from odeify.settings import DEFAULT_MODEL_PATH
+from odeify.codegen import emit
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.digits import DIGITS_SIZE
+from odeify.models.loading import load_model
 
 
 def grads_after(model: torch.nn.Module, x: torch.Tensor, threads: int) -> dict[str, torch.Tensor]:

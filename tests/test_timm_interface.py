@@ -18,10 +18,10 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.digits import DIGITS_ARCH
-from odeify.errors import OdeifyError
-from odeify.timm_interface import ConvertedModel
+from odeify.core.errors import OdeifyError
+from odeify.models._testing import make_test_model
+from odeify.models.digits import DIGITS_ARCH
+from odeify.models.timm_interface import ConvertedModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""Tests for odeify.tracing: the leaf policy, exactness of the traced module, shape annotation."""
+"""Tests for odeify.passes.tracing: the leaf policy, exactness of the traced module, shape annotation."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.fx as fx
 from timm.layers import DropPath
 from torch import nn
 
-from odeify.errors import TraceError
-from odeify.tracing import annotate_shapes, node_shape, suggest_names, trace
+from odeify.core.errors import TraceError
+from odeify.passes.tracing import annotate_shapes, node_shape, suggest_names, trace
 
 SHAPE = (2, 3, 64, 64)  # batch 2: train-mode BatchNorm needs more than one value per channel
 

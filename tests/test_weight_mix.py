@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 import odeify
-from odeify._testing import make_test_model
-from odeify.emit import DENSE_MIX_ABOVE
+from odeify.codegen.emit import DENSE_MIX_ABOVE
+from odeify.models._testing import make_test_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

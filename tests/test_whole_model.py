@@ -22,7 +22,7 @@ from timm.layers import DropPath
 from torch import nn
 
 import odeify
-from odeify.errors import ConfigError
+from odeify.core.errors import ConfigError
 from odeify.passes.segments import Segment, checkpoint_segments, has_segments, inline_segments
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,0 +1,622 @@
+"""What each ``odeify`` command does, once :mod:`odeify.cli.parser` has parsed its arguments.
+
+Each ``run_<command>(args)`` returns the exit code. Bad input raises an ``OdeifyError`` subclass
+(the CLI prints it as one paragraph, exit code 2). Results go to stdout; tables, progress and
+notes go to stderr whenever stdout carries JSON or code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+import odeify
+from odeify.cli.console import console_on
+from odeify.core.dtypes import model_dtype
+from odeify.core.errors import ConfigError, OdeifyError
+from odeify.core.fileio import atomic_write_bytes
+from odeify.models import DEFAULT_MODEL_PATH
+
+VERIFY_SEED = 0
+VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
+"""Largest max relative error ``convert --verify`` accepts. Measured (random non-trivial weights,
+64x64 inputs): fp32 2e-7 (digits), 8e-7 (resnet18), 1.1e-6 (resnet50); fp64 3e-15 to 4e-15. The
+limits leave about 100x (fp32) and 1e4x (fp64) for deeper models, while a wrong weight (a 0.05 shift
+in one knot bias moves the digits model's output by 1.8e-2) is far above them."""
+MANIFESTATION = ("integrator", "steps", "knots", "basis", "backward")
+
+
+# -- models in -------------------------------------------------------------------------------------
+def _source(args: argparse.Namespace) -> str:
+    return args.model or str(DEFAULT_MODEL_PATH)
+
+
+def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The model-building flags that were given, as ``odeify.load_model`` keywords."""
+    kwargs: dict[str, Any] = {}
+    for flag in ("arch", "num_classes", "checkpoint"):
+        if getattr(args, flag) is not None:
+            kwargs[flag] = getattr(args, flag)
+    for flag in ("pretrained", "ema"):
+        if getattr(args, flag):
+            kwargs[flag] = True
+    return kwargs
+
+
+def is_converted_file(path: str | os.PathLike[str]) -> bool:
+    """True for a file written by ``odeify.save`` (it carries odeify's recipe in its metadata)."""
+    from safetensors import safe_open
+
+    from odeify.serialization.io import RECIPE_KEY
+
+    path = Path(path)
+    if not path.is_file() or path.suffix != ".safetensors":
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return RECIPE_KEY in (handle.metadata() or {})
+    except Exception:  # not a readable safetensors file: load_model will say what is wrong with it
+        return False
+
+
+def _input_size(args: argparse.Namespace) -> list[int] | None:
+    if args.input_size is not None and len(args.input_size) not in (3, 4):
+        raise OdeifyError(
+            f"--input-size takes C H W or N C H W (e.g. --input-size 3 224 224); got {len(args.input_size)} "
+            f"number(s): {' '.join(map(str, args.input_size))}."
+        )
+    return args.input_size
+
+
+def _refuse_converted(args: argparse.Namespace) -> None:
+    if is_converted_file(_source(args)):
+        raise ConfigError(
+            f"{args.model} is already a converted model. Use `odeify retarget {args.model} -o OUT ...` to "
+            f"change its manifestation, or `odeify inspect {args.model}` to see it."
+        )
+
+
+def _source_model(args: argparse.Namespace) -> tuple[nn.Module, str, tuple[int, ...]]:
+    """MODEL as a module, its display name and the validated example input shape."""
+    from odeify.compiler.analysis import input_shape_for, resolve_model
+
+    size = _input_size(args)
+    _refuse_converted(args)
+    model, name = resolve_model(_source(args), **_load_kwargs(args))
+    if not args.model:
+        name = DEFAULT_MODEL_PATH.name
+    return model, name, input_shape_for(model, size)
+
+
+def _convert_source(args: argparse.Namespace, **settings: Any) -> fx.GraphModule:
+    """MODEL converted by name or path (so that the saved file can name its source)."""
+    size = _input_size(args)
+    _refuse_converted(args)
+    leaves = _leaf_modules(_source_model(args)[0], args.leaf) if args.leaf else []
+    return odeify.convert(
+        _source(args), input_size=size, leaf_modules=leaves, **_load_kwargs(args), **settings
+    )
+
+
+def _leaf_modules(model: nn.Module, names: list[str]) -> list[type[nn.Module]]:
+    """The module classes ``--leaf`` names, looked up among the classes the model uses."""
+    import difflib
+
+    classes = {}
+    for module in model.modules():
+        cls = type(module)
+        classes[cls.__name__] = classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    unknown = [n for n in names if n not in classes]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(classes), n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(
+            f"--leaf {unknown[0]}: the model has no module of that class.{hint} Name a class the model uses, "
+            "as its class name (Bottleneck) or its full path (timm.models.resnet.Bottleneck)."
+        )
+    return [classes[n] for n in names]
+
+
+def _manifestation(args: argparse.Namespace) -> dict[str, Any]:
+    """The manifestation flags that were given (None means: keep)."""
+    return {k: getattr(args, k) for k in MANIFESTATION if getattr(args, k, None) is not None}
+
+
+def _loaded(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
+    """CONVERTED as saved, or MODEL converted at native depth; and its display name."""
+    source = _source(args)
+    if is_converted_file(source):
+        return odeify.load(source), Path(source).name
+    return _convert_source(args), Path(args.model).name if args.model else DEFAULT_MODEL_PATH.name
+
+
+def _converted(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
+    """:func:`_loaded`, in the manifestation the flags ask for."""
+    model, name = _loaded(args)
+    settings = _manifestation(args)
+    return (odeify.retarget(model, **settings) if settings else model), name
+
+
+def _output_file(path: str | None, what: str = "-o") -> Path | None:
+    """Check an output path before any work: not empty, not a folder, its parent not a file."""
+    if path is None:
+        return None
+    if not path.strip():
+        raise ConfigError(f"{what} needs a file name; got an empty string.")
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ConfigError(
+            f"{what} {path} is a folder; name a file in it, e.g. {target / 'model.safetensors'}."
+        )
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{what} {path}: {parent} is a file, not a folder.")
+            break
+    return target
+
+
+def _stdout_is_data(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "json", False) or getattr(args, "code", False))
+
+
+def _tables(args: argparse.Namespace):
+    """Where tables go: stdout, or stderr when stdout carries JSON or code."""
+    return console_on(sys.stderr if _stdout_is_data(args) else sys.stdout)
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+# -- inspect ---------------------------------------------------------------------------------------
+def run_inspect(args: argparse.Namespace) -> int:
+    """Plan of a MODEL, or stages of a CONVERTED file; --code, --dot, --json, --plot."""
+    if is_converted_file(_source(args)):
+        return _inspect_converted(args, odeify.load(_source(args)), Path(_source(args)).name)
+    return _inspect_source(args)
+
+
+def _inspect_source(args: argparse.Namespace) -> int:
+    from odeify.compiler.analysis import analyze_graph, trace_and_annotate
+    from odeify.inspection.dot import plan_to_dot
+    from odeify.inspection.report import format_discrete_table, format_plan_table
+
+    dot = _output_file(args.dot, "--dot")
+    plot = _output_file(args.plot, "--plot")
+    model, name, shape = _source_model(args)
+    leaves = _leaf_modules(model, args.leaf)
+    with torch.no_grad():
+        gm = trace_and_annotate(model, shape, leaves)
+    plan = analyze_graph(gm, name, shape)
+    converted = None
+    if dot or plot or args.code:
+        converted = odeify.convert(model, input_size=shape, leaf_modules=leaves)
+    if dot:
+        atomic_write_bytes(dot, plan_to_dot(gm, plan).encode())
+        converted_dot = dot.with_name(f"{dot.stem}.converted{dot.suffix or '.dot'}")
+        _write_converted_dot(converted, name, converted_dot)
+        _note(
+            f"wrote {dot} (traced graph) and {converted_dot} (converted); "
+            f"render with: dot -Tsvg {dot} -o graph.svg"
+        )
+    if plot:
+        _plot_weight_path(converted, name, plot)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    console = _tables(args)
+    console.print(format_plan_table(plan))
+    if plan.discrete:
+        console.print(format_discrete_table(plan))
+    if args.code:
+        print(_code_listing(converted))
+    return 0
+
+
+def _inspect_converted(args: argparse.Namespace, model: fx.GraphModule, name: str) -> int:
+    from odeify.inspection.report import describe, format_report_table
+
+    report = describe(model, name=name)
+    if args.dot:
+        target = _output_file(args.dot, "--dot")
+        _write_converted_dot(model, name, target)
+        _note(f"wrote {target}; render with: dot -Tsvg {target} -o graph.svg")
+    if args.plot:
+        _plot_weight_path(model, name, _output_file(args.plot, "--plot"))
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    _tables(args).print(format_report_table(report))
+    if args.code:
+        print(_code_listing(model))
+    return 0
+
+
+def _write_converted_dot(model: fx.GraphModule, name: str, path: Path) -> None:
+    from odeify.inspection.dot import converted_to_dot
+
+    atomic_write_bytes(path, converted_to_dot(model, name).encode())
+
+
+def _plot_weight_path(model: fx.GraphModule, name: str, path: Path) -> None:
+    from odeify.inspection.plots import plot_weight_path
+
+    plot_weight_path(model, path, title=f"{name}: weight path over depth")
+    _note(f"wrote {path}")
+
+
+def _code_listing(model: fx.GraphModule) -> str:
+    """The converted model's Python, with each stage's integrator code in every backward mode."""
+    return odeify.model_code(model)
+
+
+# -- convert, retarget -----------------------------------------------------------------------------
+def run_convert(args: argparse.Namespace) -> int:
+    """Convert natively, verify against the source, apply the manifestation, save, report."""
+    from odeify.inspection.report import describe, format_report_table
+
+    output = _output_file(args.output)
+    model, name, shape = _source_model(args)
+    native = _convert_source(args)
+    check = verify(model, native, shape) if args.verify else None
+    requested = {k: v for k, v in _manifestation(args).items() if v != _CONVERT_DEFAULTS[k]}
+    converted = odeify.retarget(native, **requested) if requested else native
+    if output is not None:
+        odeify.save(converted, output)
+    report = describe(converted, name=name)
+    if args.json:
+        out = report.to_dict()
+        if check is not None:
+            out["verify"] = check
+        if output is not None:
+            out["output"] = str(output)
+        if args.code:
+            out["code"] = _code_listing(converted)
+        print(json.dumps(out, indent=2))
+    else:
+        console = _tables(args)
+        console.print(format_report_table(report))
+        if args.code:
+            print(_code_listing(converted))
+    if check is not None:
+        _note(_verify_line(check, shape))
+        if _random_timm_weights(args):
+            _note(
+                f"note: {args.model} has random weights and timm zero-initialises the last norm of each "
+                "residual branch, so its blocks are identities and the check is trivially tight; pass "
+                "--pretrained or a checkpoint file for a real test."
+            )
+    _note(
+        f"wrote {output}" if output is not None else "not saved: pass -o FILE.safetensors to keep the model"
+    )
+    if check is not None and not check["passed"]:
+        _note(
+            f"odeify: verification failed: relative error {check['relative_error']:.3g} exceeds "
+            f"{check['tolerance']:.0e}. Please report this model (the converted file was still written)."
+        )
+        return 1
+    return 0
+
+
+_CONVERT_DEFAULTS = {
+    "integrator": "euler",
+    "steps": "native",
+    "knots": "native",
+    "basis": "constant",
+    "backward": "backprop",
+}
+
+
+def verify(source: nn.Module, native: fx.GraphModule, shape: tuple[int, ...]) -> dict[str, Any]:
+    """Max absolute and relative output difference of ``native`` vs ``source`` on one seeded input.
+
+    The relative error divides by the largest absolute source output.
+    """
+    dtype = model_dtype(source)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(VERIFY_SEED), dtype=dtype)
+    with torch.no_grad():
+        expected, actual = source.eval()(x), native.eval()(x)
+    if not (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)):
+        raise ConfigError(
+            "--verify compares models with one tensor output; this model returns another type. "
+            "Pass --no-verify."
+        )
+    diff = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    relative = diff / scale if scale else float(diff > 0)
+    tolerance = VERIFY_TOLERANCE.get(dtype, 1e-2)
+    return {
+        "max_abs_diff": diff,
+        "relative_error": relative,
+        "tolerance": tolerance,
+        "passed": relative <= tolerance,
+    }
+
+
+def _verify_line(check: dict[str, Any], shape: tuple[int, ...]) -> str:
+    verdict = "ok" if check["passed"] else "FAILED"
+    return (
+        f"verify: native manifestation vs the source on a random {'x'.join(map(str, shape))} input (seed "
+        f"{VERIFY_SEED}): max relative error {check['relative_error']:.3g} "
+        f"(max |diff| {check['max_abs_diff']:.3g}; "
+        f"tolerance {check['tolerance']:.0e}): {verdict}"
+    )
+
+
+def _random_timm_weights(args: argparse.Namespace) -> bool:
+    """True when MODEL was a timm name built without weights."""
+    return bool(args.model) and not args.pretrained and not args.checkpoint and not Path(args.model).exists()
+
+
+def run_retarget(args: argparse.Namespace) -> int:
+    """Load a converted file, change its manifestation, save."""
+    from odeify.inspection.report import describe, format_report_table
+
+    output = _output_file(args.output)
+    source = Path(args.model)
+    if not is_converted_file(source):
+        what = (
+            "does not exist" if not source.exists() else "is not a converted model (no odeify recipe inside)"
+        )
+        raise ConfigError(
+            f"{args.model} {what}. retarget takes a file written by `odeify convert -o`; to convert a "
+            f"checkpoint with these settings use `odeify convert {args.model} -o OUT ...`."
+        )
+    settings = _manifestation(args)
+    if not settings:
+        raise ConfigError(
+            "retarget needs at least one of --integrator, --steps, --knots, --basis, --backward."
+        )
+    model = odeify.retarget(odeify.load(source), **settings)
+    odeify.save(model, output)
+    report = describe(model, name=source.name)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "output": str(output)}, indent=2))
+    else:
+        _tables(args).print(format_report_table(report))
+    _note(f"wrote {output}")
+    return 0
+
+
+# -- eval, sweep, plot -----------------------------------------------------------------------------
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _val_batches(args: argparse.Namespace, model: nn.Module):
+    from odeify.train.datasets import make_loader, open_data
+
+    if args.data is None:
+        raise ConfigError(
+            "--data is required: 'digits' for the built-in set, or an ImageFolder DIR (train/, val/)."
+        )
+    data = open_data(args.data, model)
+    return make_loader(data.val, args.batch_size, train=False, workers=args.workers)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Accuracy, NFE and forward time per batch on the validation split."""
+    from odeify.inspection.report import describe
+    from odeify.train.evaluate import evaluate
+
+    model, name = _converted(args)
+    loader = _val_batches(args, model)
+    result = evaluate(model.to(_device()), loader, max_batches=args.max_batches)
+    if args.json:
+        print(json.dumps({"model": name, "data": args.data, **result.to_dict()}, indent=2))
+        return 0
+    stages = ", ".join(
+        f"{s.name}: {s.integrator} x{s.steps}, {s.knots} knots {s.basis}" for s in describe(model).stages
+    )
+    print(
+        f"{name} on {args.data} ({result.samples} samples): accuracy {result.accuracy:.2%}, "
+        f"loss {result.loss:.4f}, NFE {result.nfe} ({stages}), "
+        f"{1000 * result.seconds_per_batch:.1f} ms per batch of {args.batch_size}"
+    )
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """Every (integrator, steps, knots): accuracy, NFE, time; markdown on stdout, PNG."""
+    from odeify.inspection.plots import plot_sweep
+    from odeify.train.sweep import sweep, sweep_markdown
+
+    plot = _output_file(args.plot, "--plot")
+    markdown = _output_file(args.markdown, "--markdown")
+    model, name = _loaded(args)
+    model = model.to(_device())
+    loader = _val_batches(args, model)
+    points = sweep(
+        model,
+        lambda: loader,
+        args.integrators,
+        args.steps,
+        args.knots,
+        max_batches=args.max_batches,
+        on_point=lambda p: _note(
+            f"{p.integrator:>16} steps {p.steps:>6} knots {p.knots:>6}: NFE {p.nfe:>4}, "
+            f"accuracy {p.accuracy:.2%}"
+        ),
+    )
+    lines = sweep_markdown(points)
+    print("\n".join(lines))
+    if markdown is not None:
+        atomic_write_bytes(markdown, ("\n".join(lines) + "\n").encode())
+    plot_sweep(points, plot, title=f"{name} on {args.data}: accuracy vs NFE (no fine-tuning)")
+    _note(f"wrote {plot}" + (f" and {markdown}" if markdown else ""))
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    """The weight path over depth of every stage, as a PNG."""
+    output = _output_file(args.output)
+    model, name = _converted(args)
+    _plot_weight_path(model, name, output)
+    return 0
+
+
+# -- finetune --------------------------------------------------------------------------------------
+RECORDED = (
+    "model",
+    "data",
+    "integrator",
+    "steps",
+    "knots",
+    "basis",
+    "backward",
+    "arch",
+    "num_classes",
+    "checkpoint",
+    "pretrained",
+    "ema",
+    "input_size",
+    "leaf",
+    "deterministic",
+)
+
+
+RECIPE_FLAGS = ("epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay")
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    """Build the model in its manifestation, then :func:`odeify.train.finetune.finetune` it."""
+    from dataclasses import replace
+
+    from odeify.train.datasets import open_data
+    from odeify.train.finetune import (
+        DEFAULT_RECIPE,
+        finetune,
+        native_depth,
+        read_run,
+        start_processes,
+        stop_processes,
+    )
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {args.out} is a file; name a folder for the run's checkpoints.")
+    if args.resume:
+        _fill_from_record(args, read_run(out))
+    elif (out / "train_state.safetensors").exists():
+        raise ConfigError(
+            f"{out} already holds a fine-tuning run. Continue it with --resume, or pass another --out folder."
+        )
+    if args.data is None:
+        raise ConfigError(
+            "--data is required: 'digits' for the built-in set, or an ImageFolder DIR (train/, val/)."
+        )
+    args.seed = 0 if args.seed is None else args.seed
+    args.refine_at = args.refine_at or []
+    if args.deterministic:
+        _deterministic()
+    given = {k: getattr(args, k) for k in RECIPE_FLAGS if getattr(args, k) is not None}
+    recipe = replace(DEFAULT_RECIPE, **given)
+    processes = start_processes()
+    try:
+        loaded, _ = _loaded(args)
+        settings = {**_manifestation(args), "backward": _finetuning_backward(loaded, args)}
+        model = odeify.retarget(loaded, **settings)
+        data = open_data(args.data, model)
+        teacher = None
+        if recipe.distill > 0 and _classes_differ(model, data.num_classes):
+            recipe = replace(recipe, distill=0.0)
+            _note("note: the data's classes differ from the model's: fine-tuning without distillation")
+        if recipe.distill > 0:
+            teacher = native_depth(loaded)
+        torch.manual_seed(args.seed)  # a new classifier's initial weights follow --seed
+        _match_classes(model, data.num_classes)
+        finetune(
+            model,
+            data,
+            recipe,
+            out=out,
+            resume=args.resume,
+            refine_at=args.refine_at,
+            seed=args.seed,
+            max_batches=args.max_batches,
+            workers=args.workers,
+            processes=processes,
+            teacher=teacher,
+            run_info={"cli": {k: getattr(args, k) for k in RECORDED}},
+        )
+    finally:
+        stop_processes()
+    return 0
+
+
+def _finetuning_backward(model: fx.GraphModule, args: argparse.Namespace) -> str | dict[str, str]:
+    """--backward; without it a memory-free mode per stage: the one it has (unless --integrator
+    changes the stage), else reversible for reversible Heun and checkpoint for any other integrator.
+
+    One mode for every stage comes back as a string: odeify's whole-model plan, which also
+    recomputes the parts between the stages in backward.
+    """
+    if args.backward is not None:
+        return args.backward
+    modes = {}
+    for stage in odeify.converted_stages(model):
+        integrator = args.integrator or stage.integrator.name
+        if stage.backward != "backprop" and args.integrator is None:
+            modes[stage.stage_name] = stage.backward
+        else:
+            modes[stage.stage_name] = "reversible" if integrator == "reversible_heun" else "checkpoint"
+    return modes.popitem()[1] if len(set(modes.values())) == 1 else modes
+
+
+def _classes_differ(model: fx.GraphModule, classes: int) -> bool:
+    have = getattr(model, "num_classes", None)
+    return have is not None and have != classes
+
+
+def _match_classes(model: fx.GraphModule, classes: int) -> None:
+    have = getattr(model, "num_classes", None)
+    if have is not None and have != classes:
+        if not hasattr(model, "reset_classifier"):
+            raise ConfigError(
+                f"the model predicts {have} classes but the data has {classes}; convert with "
+                f"--num-classes {classes}."
+            )
+        model.reset_classifier(classes)
+        _note(
+            f"note: the model had {have} classes, the data has {classes}: "
+            "its classifier was reset (new weights)"
+        )
+
+
+def _fill_from_record(args: argparse.Namespace, run: dict) -> None:
+    """Take every setting not given on the command line from the recorded run (given ones must match)."""
+    recorded = run.get("cli", {})
+    for key in RECORDED:
+        if not getattr(args, key, None) and recorded.get(key) is not None:
+            setattr(args, key, recorded[key])
+    recipe = run.get("recipe", {})
+    for key in RECIPE_FLAGS:
+        if getattr(args, key) is None:
+            setattr(args, key, recipe.get(key))
+    for key in ("refine_at", "seed", "max_batches"):
+        if getattr(args, key) is None:
+            setattr(args, key, run.get(key))
+
+
+def _deterministic() -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+# -- demo ------------------------------------------------------------------------------------------
+def run_demo(args: argparse.Namespace) -> int:
+    from odeify.cli.demo import run_demo as demo
+
+    report = demo(Path(args.out), epochs=args.epochs)
+    print(f"wrote {report}")
+    return 0

@@ -1,0 +1,341 @@
+"""Write an ODE stage's computation as fx nodes: weights at stage times, the field, the steps.
+
+One writer serves both uses: the ``lower`` pass inlines a whole stage into a model graph, and
+:meth:`ODEStage.step_graph` builds one-step graphs that run eagerly and are re-run by the
+adjoint modes. Coefficients are exact Fractions from the basis; a one-hot row references its knot
+directly, so native-depth Euler adds no arithmetic to the original network.
+"""
+
+from __future__ import annotations
+
+import operator
+from fractions import Fraction
+
+import torch
+import torch.fx as fx
+
+from odeify.ir.meta import tag
+from odeify.ir.stage_ir import CACHE_LOCK, Slot, StageIR
+from odeify.numerics.tableaus import ReversibleHeun, Tableau
+
+DENSE_MIX_ABOVE = 4  # rows with more nonzero coefficients use one tensordot instead of a sum
+
+
+class StageWriter:
+    """Emits nodes for one stage into ``graph``.
+
+    ``prefix`` is the stage's attribute path as seen from the graph's owner module ("" when the
+    owner is the stage itself). ``knot_inputs`` maps slot names to nodes holding the stacked knots:
+    placeholders in a step graph; by default get_attr nodes of the stage's own stacks, emitted at
+    the graph's insertion point. ``window`` says which knots those stacks hold (all unless given).
+    ``used_knots`` collects the knots read.
+    """
+
+    def __init__(
+        self,
+        stage: StageIR,
+        graph: fx.Graph,
+        prefix: str,
+        knot_inputs: dict[str, fx.Node] | None = None,
+        window: slice | None = None,
+    ):
+        self.stage = stage
+        self.graph = graph
+        self.prefix = f"{prefix}." if prefix else ""
+        self.tag = stage.stage_name.replace(".", "_")
+        self.window = window or slice(0, stage.num_knots)
+        self.used_knots: set[int] = set()
+        if knot_inputs is None:
+            knot_inputs = {
+                slot.name: self.attr(stage.slot_attr(slot), f"{self.tag}_{slot.name}")
+                for slot in stage.slots
+                if slot.kind != "shared"
+            }
+        self.knot_inputs = knot_inputs
+        self._weights: dict[tuple, list[fx.Node]] = {}
+        self._fields: dict[tuple, fx.Node] = {}
+        self._knots: dict[tuple[str, int], fx.Node] = {}
+        self._unbound: dict[str, fx.Node] = {}
+        self.evaluations = 0
+
+    # -- node creation -------------------------------------------------------------------------
+    def node(
+        self, op: str, target, args: tuple, kwargs: dict | None = None, name: str | None = None
+    ) -> fx.Node:
+        created = self.graph.create_node(op, target, args, kwargs or {}, name=name)
+        tag(created, stage=self.stage.stage_name)
+        return created
+
+    def attr(self, path: str, name: str) -> fx.Node:
+        return self.node("get_attr", f"{self.prefix}{path}", (), name=name)
+
+    # -- weights at a stage time ---------------------------------------------------------------
+    def weights(self, t: Fraction, left: bool) -> list[fx.Node]:
+        """One node per template slot: the weight path theta(t) (or theta(t-) when ``left``)."""
+        row = self.stage.row(t, left)
+        if row not in self._weights:
+            self._weights[row] = [self._slot_weight(slot, row) for slot in self.stage.slots]
+        return self._weights[row]
+
+    def _slot_weight(self, slot: Slot, row: tuple[Fraction, ...]) -> fx.Node:
+        if slot.kind == "shared":
+            return self.attr(self.stage.slot_attr(slot), slot.name)
+        stack = self.knot_inputs[slot.name]
+        nonzero = [(k, c) for k, c in enumerate(row) if c != 0]
+        self.used_knots.update(k for k, _ in nonzero)
+        if len(nonzero) == 1 and nonzero[0][1] == 1:
+            return self._knot(slot, nonzero[0][0])
+        label = f"{self.tag}_{slot.name}_mix"
+        if len(nonzero) > DENSE_MIX_ABOVE:
+            # the row's coefficients over the window, as a constant list: no buffer to keep in sync
+            window_row = [float(c) for c in row[self.window]]
+            coeffs = self.node("call_method", "new_tensor", (stack, window_row), name=f"{label}_coeffs")
+            return self.node("call_function", torch.tensordot, (coeffs, stack), {"dims": 1}, name=label)
+        total = None
+        for k, c in nonzero:
+            term = self.node("call_function", operator.mul, (self._knot(slot, k), float(c)))
+            total = (
+                term if total is None else self.node("call_function", operator.add, (total, term), name=label)
+            )
+        return total
+
+    def _knot(self, slot: Slot, k: int) -> fx.Node:
+        """Knot ``k`` of a slot, emitted once, from one ``unbind`` of the stack per slot.
+
+        ``unbind`` has a single backward node, so all knots' gradients land in one buffer; indexing
+        the stack per knot would allocate a stack-sized gradient for every use.
+        """
+        key = (slot.name, k)
+        if key not in self._knots:
+            if slot.name not in self._unbound:
+                stack = self.knot_inputs[slot.name]
+                name = f"{self.tag}_{slot.name}_knots"
+                self._unbound[slot.name] = self.node("call_function", torch.unbind, (stack,), name=name)
+            name = f"{self.tag}_{slot.name}_k{k}"
+            self._knots[key] = self.node(
+                "call_function",
+                operator.getitem,
+                (self._unbound[slot.name], k - self.window.start),
+                name=name,
+            )
+        return self._knots[key]
+
+    # -- the block and the field ---------------------------------------------------------------
+    def block(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> tuple[fx.Node, fx.Node]:
+        """Inline the template at time ``t``: returns (branch f(y), block output); names end in ``tag``."""
+        weights = iter(self.weights(t, left))
+        variant = self.stage.variant_index(t, left)
+        env: dict[fx.Node, fx.Node] = {}
+        result = None
+        for tnode in self.stage.template.graph.nodes:
+            if tnode.op == "placeholder":
+                env[tnode] = y if not env else next(weights)
+            elif tnode.op == "output":
+                result = fx.map_arg(tnode.args[0], env.__getitem__)
+            else:
+                target = tnode.target
+                if tnode.op == "call_module":
+                    key = self.stage.variant_targets.get(target)
+                    target = (
+                        f"{self.prefix}variants.{key}.{variant}" if key else f"{self.prefix}template.{target}"
+                    )
+                args = fx.map_arg(tnode.args, env.__getitem__)
+                kwargs = fx.map_arg(tnode.kwargs, env.__getitem__)
+                env[tnode] = self.node(tnode.op, target, args, kwargs, name=f"{self.tag}_{tnode.name}_{tag}")
+        branch, out = result
+        return branch, out
+
+    def field(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> fx.Node:
+        """F(t, y): ``L * (block(y) - y)`` for post-activation blocks, ``L * f(y)`` for pre-activation."""
+        # an evaluation that draws random numbers (DropPath) is its own draw: never shared across steps
+        key = (self.stage.field_weights(t, left), y, tag if self.stage.draws_random else None)
+        if key not in self._fields:
+            delta = self.delta(t, left, y, tag)
+            self._fields[key] = self.node(
+                "call_function", operator.mul, (delta, self.stage.depth), name=f"{self.tag}_F_{tag}"
+            )
+        return self._fields[key]
+
+    def delta(self, t: Fraction, left: bool, y: fx.Node, tag: str) -> fx.Node:
+        """F(t, y) / L, one new evaluation: ``block(y) - y``, or the branch ``f(y)`` (pre-activation)."""
+        self.evaluations += 1
+        branch, out = self.block(t, left, y, tag)
+        if self.stage.form == "pre":
+            return branch
+        return self.node("call_function", operator.sub, (out, y), name=f"{self.tag}_delta_{tag}")
+
+    def axpy(self, y: fx.Node, terms: list[tuple[Fraction, fx.Node]], name: str) -> fx.Node:
+        """``y + sum(c * k)`` with zero terms skipped."""
+        out = y
+        for coef, k in terms:
+            if coef == 0:
+                continue
+            term = k if coef == 1 else self.node("call_function", operator.mul, (k, float(coef)))
+            out = self.node("call_function", operator.add, (out, term), name=name)
+        return out
+
+
+# -- integrators: one step each, written against a StageWriter ------------------------------------
+def rk_step(w: StageWriter, tableau: Tableau, n: int, y: fx.Node, direction: int = 1) -> fx.Node:
+    """One explicit Runge-Kutta step from step ``n``'s start (``direction=-1``: from its end, backward).
+
+    Stage times are ``(n + c_i) / N`` forward and ``(n + 1 - c_i) / N`` backward; a time at the far
+    end of the step takes the one-sided limit from inside the step, decided exactly.
+    """
+    steps = w.stage.steps
+    h = Fraction(direction, steps)
+    start = Fraction(n if direction > 0 else n + 1, steps)
+    if direction > 0 and tableau.stages == 1 and tableau.b == (1,) and h * w.stage.depth == 1:
+        w.evaluations += 1
+        return w.block(start, False, y, f"s{n}")[1]  # x + (1/L) * L * (block(x) - x) is block(x), exactly
+    ks: list[fx.Node] = []
+    for i in range(tableau.stages):
+        theta = tableau.c[i]
+        t = start + h * theta
+        left = (theta == 1) if direction > 0 else (theta == 0)
+        terms = [(h * a, k) for a, k in zip(tableau.a[i][:i], ks, strict=True)]
+        yi = w.axpy(y, terms, name=f"{w.tag}_y{n}_{i + 1}")
+        ks.append(w.field(t, left, yi, f"s{n}_{i + 1}"))
+    end = n + 1 if direction > 0 else n
+    return w.axpy(y, [(h * b, k) for b, k in zip(tableau.b, ks, strict=True)], name=f"{w.tag}_x{end}")
+
+
+def reversible_heun_step(w: StageWriter, n: int, y: fx.Node, z: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Kidger et al. 2021: z' = 2y - z + h F(t, z); y' = y + h/2 (F(t, z) + F(t + h, z'))."""
+    h = Fraction(1, w.stage.steps)
+    t0, t1 = n * h, (n + 1) * h
+    f0 = w.field(t0, False, z, f"s{n}_1")
+    two_y = w.node("call_function", operator.mul, (y, 2.0))
+    z_next = w.axpy(w.node("call_function", operator.sub, (two_y, z)), [(h, f0)], name=f"{w.tag}_z{n + 1}")
+    f1 = w.field(t1, True, z_next, f"s{n}_2")
+    y_next = w.axpy(y, [(h / 2, f0), (h / 2, f1)], name=f"{w.tag}_y{n + 1}")
+    return y_next, z_next
+
+
+def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
+    """The whole stage, unrolled: returns the node holding x(1)."""
+    integrator = w.stage.integrator
+    if isinstance(integrator, ReversibleHeun):
+        y, z = x, x
+        for n in range(w.stage.steps):
+            y, z = reversible_heun_step(w, n, y, z)
+        return y
+    for n in range(w.stage.steps):
+        x = rk_step(w, integrator, n, x)
+    return x
+
+
+def build_unrolled_graph(stage: StageIR) -> fx.GraphModule:
+    """A graph module ``(x, knots...) -> x(1)``: the whole stage unrolled as lowering inlines it."""
+    return _graph_over_knots(stage, "unrolled", ("x",), lambda w, x: write_stage(w, x))
+
+
+def build_step_graph(stage: StageIR, n: int, kind: str) -> fx.GraphModule:
+    """A graph module ``(state..., knots...) -> state`` for step ``n``, over the knots it reads.
+
+    ``forward`` steps from n to n+1; ``reverse`` approximately rebuilds step n's start from its
+    end by stepping backward (explicit tableaus). The knot inputs are the stacks' rows
+    ``gm.knot_window`` (see :func:`odeify.runtime.rerun.knot_window_inputs`).
+    """
+    if isinstance(stage.integrator, ReversibleHeun):
+        if kind != "forward":
+            raise ValueError(
+                f"reversible Heun has no {kind!r} step graph; odeify.runtime.reversible inverts it"
+            )
+        return _graph_over_knots(
+            stage, f"forward_step{n}", ("y", "z"), lambda w, y, z: reversible_heun_step(w, n, y, z)
+        )
+    direction = 1 if kind == "forward" else -1
+    return _graph_over_knots(
+        stage, f"{kind}_step{n}", ("x",), lambda w, x: (rk_step(w, stage.integrator, n, x, direction),)
+    )
+
+
+def build_field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+    """A graph module ``(x, knots...) -> F(t, x)`` for one time, over the knots it reads."""
+    return _graph_over_knots(stage, "field", ("x",), lambda w, x: w.field(t, left, x, "t"))
+
+
+def build_delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+    """A graph module ``(x, knots...) -> F(t, x) / L``: the field without its depth factor.
+
+    Reversible Heun folds L into its lattice increments (one multiply fewer per evaluation, and one
+    fewer in its VJP).
+    """
+    return _graph_over_knots(stage, "delta", ("x",), lambda w, x: w.delta(t, left, x, "t"))
+
+
+def _graph_over_knots(stage: StageIR, name: str, state: tuple[str, ...], write) -> fx.GraphModule:
+    """Build ``(state..., knot stacks...) -> write(writer, *state)`` taking only the knots it reads.
+
+    The graph is written over the full stacks first to learn which knots it reads; if that is a
+    narrower window it is written again over just those rows. A gradient w.r.t. the inputs then
+    covers those knots alone, so a re-run step of a K-knot stage costs O(1), not O(K), knots.
+    """
+    full = slice(0, stage.num_knots)
+    graph, writer = _write_graph(stage, state, write, full)
+    if writer.used_knots:
+        window = slice(min(writer.used_knots), max(writer.used_knots) + 1)
+        if window != full:
+            graph, writer = _write_graph(stage, state, write, window)
+    else:
+        window = full
+    gm = fx.GraphModule(stage, graph, f"{writer.tag}_{name}")
+    gm.knot_window = window
+    gm.evaluations = writer.evaluations
+    return gm
+
+
+def _write_graph(
+    stage: StageIR, state: tuple[str, ...], write, window: slice
+) -> tuple[fx.Graph, StageWriter]:
+    graph = fx.Graph()
+    placeholders = [graph.placeholder(s) for s in state]
+    inputs = {s.name: graph.placeholder(s.name) for s in stage.slots if s.kind != "shared"}
+    writer = StageWriter(stage, graph, "", inputs, window)
+    out = write(writer, *placeholders)
+    graph.output(out)
+    return graph, writer
+
+
+def unrolled_graph(stage: StageIR) -> fx.GraphModule:
+    """The stage's unrolled graph, built once per manifestation (see :meth:`StageIR.caches`)."""
+    return _cached(stage, "unrolled", lambda: build_unrolled_graph(stage))
+
+
+def step_graph(stage: StageIR, n: int, kind: str = "forward") -> fx.GraphModule:
+    """The graph of step ``n`` (``forward`` or approximate ``reverse``), built once per manifestation."""
+    return _cached(stage, (n, kind), lambda: build_step_graph(stage, n, kind))
+
+
+def field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+    """The graph of F(t, x) at an exact time, built once per manifestation."""
+    t = Fraction(t)
+    return _cached(stage, (t, left, "field"), lambda: build_field_graph(stage, t, left))
+
+
+def delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+    """The graph of F(t, x) / L at an exact time, built once per manifestation."""
+    t = Fraction(t)
+    return _cached(stage, (t, left, "delta"), lambda: build_delta_graph(stage, t, left))
+
+
+def _cached(stage: StageIR, key: tuple | str, build) -> fx.GraphModule:
+    graphs = stage.caches().graphs
+    graph = graphs.get(key)
+    return graph if graph is not None else _build(graphs, key, build)
+
+
+# Under torch.compile a cache miss runs eagerly (a graph break): writing a graph handles exact
+# Fractions and fx objects that dynamo would try, and fail, to trace. Built graphs are traced.
+@torch.compiler.disable
+def _build(graphs: dict, key: tuple | str, build) -> fx.GraphModule:
+    with CACHE_LOCK:
+        if key not in graphs:
+            graphs[key] = build()
+    return graphs[key]
+
+
+def count_evaluations(stage: StageIR) -> int:
+    """Field evaluations (NFE) of the unrolled stage."""
+    return unrolled_graph(stage).evaluations

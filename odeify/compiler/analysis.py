@@ -1,0 +1,108 @@
+"""``odeify.analyze``: trace a model, find its residual blocks and runs, return the Plan."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from odeify.core.errors import ConfigError, NoResidualBlocksError, OdeifyError
+from odeify.ir.plan import Plan
+from odeify.passes.residual_blocks import find_blocks
+from odeify.passes.runs import group_runs
+from odeify.passes.tracing import annotate_shapes, trace
+
+
+def resolve_model(source: str | os.PathLike | nn.Module, **load_kwargs) -> tuple[nn.Module, str]:
+    """An eval-mode module and a display name, from a module, a timm name or a checkpoint path."""
+    from odeify.models.loading import load_model
+
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    model = load_model(source, **load_kwargs)
+    name = Path(source).name if isinstance(source, str) and os.sep in source else source
+    if not isinstance(name, str):
+        name = type(source).__name__
+    return model, name
+
+
+def input_shape_for(model: nn.Module, input_size: Sequence[int] | None) -> tuple[int, ...]:
+    """Validate a user-given input size; default to the model's pretrained config."""
+    from odeify.models.timm_interface import default_input_size
+
+    if input_size is None:
+        return tuple(default_input_size(model))
+    shape = tuple(input_size)
+    if not shape or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
+        raise OdeifyError(
+            "input_size must be positive integers such as (1, 3, 224, 224) or (3, 224, 224); "
+            f"got {input_size!r}."
+        )
+    if len(shape) == 3:
+        shape = (1, *shape)
+    return shape
+
+
+def validate_leaf_modules(leaf_modules: object) -> None:
+    """``leaf_modules`` must be nn.Module subclasses (classes, not names or instances)."""
+    if isinstance(leaf_modules, (str, bytes)) or not isinstance(leaf_modules, Sequence):
+        raise ConfigError(f"leaf_modules must be a list of nn.Module classes; got {leaf_modules!r}.")
+    bad = [m for m in leaf_modules if not (isinstance(m, type) and issubclass(m, nn.Module))]
+    if bad:
+        raise ConfigError(
+            f"leaf_modules must hold nn.Module classes (e.g. [MyAttention]), not {bad!r}: tracing keeps "
+            "modules of these classes as single calls instead of tracing through them."
+        )
+
+
+def trace_and_annotate(
+    model: nn.Module, input_shape: Sequence[int], leaf_modules: Sequence[type[nn.Module]] = ()
+) -> fx.GraphModule:
+    """The traced graph module of ``model``, each node annotated with its shape."""
+    gm = trace(model, leaf_modules)
+    annotate_shapes(gm, input_shape)
+    return gm
+
+
+def analyze_graph(gm: fx.GraphModule, name: str, input_shape: Sequence[int]) -> Plan:
+    """Blocks and runs of an already traced and annotated graph module."""
+    blocks = find_blocks(gm)
+    runs, discrete = group_runs(gm, blocks)
+    if not runs:
+        found = f"{len(blocks)} projection blocks but no identity block" if blocks else "no residual add"
+        raise NoResidualBlocksError(
+            f"{name} has no residual block odeify can turn into an ODE stage: the graph has {found}. "
+            "odeify needs identity blocks of the form x + f(x) (optionally followed by an activation) "
+            "with equal input and output shapes, like the blocks of timm's ResNet family. Plain "
+            "feed-forward nets (VGG, nn.Sequential stacks) have no such blocks."
+        )
+    return Plan(
+        model=name,
+        input_shape=tuple(input_shape),
+        blocks=tuple(blocks),
+        runs=tuple(runs),
+        discrete=tuple(discrete),
+    )
+
+
+def analyze(
+    model: str | nn.Module,
+    input_size: Sequence[int] | None = None,
+    *,
+    leaf_modules: Sequence[type[nn.Module]] = (),
+    **load_kwargs,
+) -> Plan:
+    """Trace ``model`` (a module, timm name or checkpoint path) and return its residual Plan.
+
+    ``input_size`` is ``(N, C, H, W)`` or ``(C, H, W)``; by default the model's pretrained config.
+    """
+    validate_leaf_modules(leaf_modules)
+    module, name = resolve_model(model, **load_kwargs)
+    shape = input_shape_for(module, input_size)
+    with torch.no_grad():
+        gm = trace_and_annotate(module, shape, leaf_modules)
+    return analyze_graph(gm, name, shape)

@@ -1,0 +1,98 @@
+"""Resource estimates checked before odeify builds anything large, so a request fails at once.
+
+A manifestation's cost is known before any graph is written or tensor allocated: the number of
+fx nodes of an unrolled stage, the bytes of its knots, the exact-arithmetic work of a least-squares
+refit. Each check compares the estimate with a limit and, past it, raises a ConfigError that says
+what was asked, the estimate, the limit, and the environment variable that raises it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from odeify.core.errors import ConfigError
+
+__all__ = ["check_fit_work", "check_graph_nodes", "check_knot_bytes", "limit"]
+
+LIMITS = {
+    # fx nodes of one stage's unrolled graph: ~1e6 nodes take about a minute to write and compile
+    "ODEIFY_MAX_GRAPH_NODES": 1_000_000,
+    # bytes of one stage's knot tensors (default: half of this machine's memory, set at first use)
+    "ODEIFY_MAX_KNOT_BYTES": 0,
+    # K^2 * L exact Fraction operations of a least-squares fit (x16 for the cubic basis): ~10 s at 4e6
+    "ODEIFY_MAX_FIT_WORK": 64_000_000,
+}
+
+
+def limit(name: str) -> int:
+    """The limit ``name``: the environment variable if set (a positive integer), else the default."""
+    text = os.environ.get(name)
+    if text is not None:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ConfigError(f"the environment variable {name} must be a positive integer; got {text!r}.")
+        return value
+    if name == "ODEIFY_MAX_KNOT_BYTES":
+        return _physical_memory() // 2
+    return LIMITS[name]
+
+
+def check_graph_nodes(stage: str, steps: int, evaluations_per_step: int, nodes_per_evaluation: int) -> None:
+    """Refuse a manifestation whose unrolled graph would exceed the node limit."""
+    estimate = steps * evaluations_per_step * (nodes_per_evaluation + 2)
+    _refuse_above(
+        "ODEIFY_MAX_GRAPH_NODES",
+        estimate,
+        f"stage '{stage}' with {steps} steps x {evaluations_per_step} field evaluations per step would "
+        f"unroll into about {estimate:,} graph nodes",
+        "use fewer steps",
+    )
+
+
+def check_knot_bytes(stage: str, knots: int, bytes_per_knot: int) -> None:
+    """Refuse a knot count whose stacked tensors would exceed the memory limit."""
+    estimate = knots * bytes_per_knot
+    _refuse_above(
+        "ODEIFY_MAX_KNOT_BYTES",
+        estimate,
+        f"stage '{stage}' with {knots} knots would hold {_gib(estimate)} of knot tensors",
+        "use fewer knots",
+    )
+
+
+def check_fit_work(stage: str, knots: int, samples: int, basis: str) -> None:
+    """Refuse a least-squares refit (knots < samples) whose exact arithmetic would take too long."""
+    if knots >= samples:
+        return  # refinement evaluates the spline: cheap
+    estimate = knots * knots * samples * (16 if basis == "cubic" else 1)
+    _refuse_above(
+        "ODEIFY_MAX_FIT_WORK",
+        estimate,
+        f"fitting {knots} '{basis}' knots to {samples} samples in stage '{stage}' takes about {estimate:,} "
+        "exact operations",
+        "fit fewer knots, or use the linear or constant basis",
+    )
+
+
+def _refuse_above(name: str, estimate: int, what: str, fix: str) -> None:
+    bound = limit(name)
+    if estimate > bound:
+        shown = _gib(bound) if name == "ODEIFY_MAX_KNOT_BYTES" else f"{bound:,}"
+        raise ConfigError(
+            f"{what}, over the limit of {shown}. To proceed anyway, {fix}, or raise the limit with the "
+            f"environment variable {name}."
+        )
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume a modest machine
+        return 16 * 2**30
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

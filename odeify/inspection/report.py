@@ -1,0 +1,210 @@
+"""Human- and script-readable summaries of an analysis Plan and of a converted model.
+
+``describe`` reads a converted model back into a frozen ``ConversionReport`` (what each ODE stage
+is and what it costs), so the CLI, notebooks and benchmarks print the same facts the same way:
+rich tables for people, plain dicts for JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from rich.table import Table
+from torch import nn
+
+from odeify.codegen.emit import count_evaluations
+from odeify.compiler.conversion import converted_stages
+from odeify.compiler.record import META
+from odeify.core.errors import ConfigError
+from odeify.ir.plan import Plan
+
+FORM_NAMES = {"post": "post-activation", "pre": "pre-activation"}
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """One ODE stage: the run it replaces (depth L), its knots K and how it is integrated."""
+
+    name: str
+    form: str
+    depth: int
+    knots: int
+    basis: str
+    integrator: str
+    steps: int
+    nfe: int
+    backward: str
+    parameters: int
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """All stages of a converted model, with totals and the parameter count before and after."""
+
+    model: str
+    input_shape: tuple[int, ...]
+    stages: tuple[StageReport, ...]
+    parameters_before: int
+    parameters_after: int
+    not_lifted: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def nfe(self) -> int:
+        """Field evaluations of all stages together."""
+        return sum(stage.nfe for stage in self.stages)
+
+    @property
+    def knot_parameters(self) -> int:
+        """Trainable knot parameters of all stages together."""
+        return sum(stage.parameters for stage in self.stages)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (tuples become lists), totals included."""
+        return {
+            "model": self.model,
+            "input_shape": list(self.input_shape),
+            "stages": [asdict(stage) for stage in self.stages],
+            "nfe": self.nfe,
+            "knot_parameters": self.knot_parameters,
+            "parameters_before": self.parameters_before,
+            "parameters_after": self.parameters_after,
+            "not_lifted": dict(self.not_lifted),
+        }
+
+
+def describe(converted: nn.Module, name: str | None = None) -> ConversionReport:
+    """Report the ODE stages of ``converted`` (the output of ``odeify.convert``/``retarget``).
+
+    ``name`` overrides the recorded source name (which is a class name when a module was converted).
+    """
+    meta = getattr(converted, "meta", {}).get(META)
+    if meta is None:
+        raise ConfigError("this module was not made by odeify.convert; describe takes a converted model.")
+    stages = tuple(
+        StageReport(
+            name=stage.stage_name,
+            form=stage.form,
+            depth=stage.depth,
+            knots=stage.num_knots,
+            basis=stage.basis,
+            integrator=stage.integrator.name,
+            steps=stage.steps,
+            nfe=count_evaluations(stage),
+            backward=stage.backward,
+            parameters=sum(p.numel() for p in stage.knots.parameters() if p.requires_grad),
+        )
+        for stage in converted_stages(converted)
+    )
+    return ConversionReport(
+        model=name or str(meta["name"]),
+        input_shape=tuple(meta["input_shape"]),
+        stages=stages,
+        parameters_before=int(meta["original_parameters"]),
+        parameters_after=sum(p.numel() for p in converted.parameters()),
+        not_lifted=tuple(meta.get("not_lifted", {}).items()),
+    )
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """'C x H x W' of a batched shape, written '64x56x56'."""
+    return "x".join(str(s) for s in shape[1:]) or "scalar"
+
+
+def format_plan_table(plan: Plan) -> Table:
+    """The runs that become ODE stages, one row per run."""
+    blocks = sum(run.length for run in plan.runs)
+    table = Table(
+        title=f"{plan.model}: runs of identity blocks (input {'x'.join(map(str, plan.input_shape))})",
+        caption=f"{len(plan.runs)} runs, {blocks} identity blocks become ODE stages; "
+        f"{len(plan.discrete)} blocks stay discrete",
+    )
+    for header, justify in (
+        ("stage", "left"),
+        ("run", "right"),
+        ("blocks", "right"),
+        ("kind", "left"),
+        ("form", "left"),
+        ("activation", "left"),
+        ("shape", "left"),
+        ("params/block", "right"),
+    ):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for index, run in enumerate(plan.runs):
+        table.add_row(
+            run.name,
+            str(index),
+            str(run.length),
+            "identity",
+            FORM_NAMES.get(run.form, run.form),
+            run.activation or "-",
+            format_shape(run.shape),
+            f"{run.parameters_per_block:,}",
+        )
+    return table
+
+
+def format_discrete_table(plan: Plan) -> Table:
+    """The blocks that stay discrete layers, and why."""
+    table = Table(title="blocks that stay discrete")
+    for header in ("block", "kind", "shape", "reason"):
+        table.add_column(header)
+    for item in plan.discrete:
+        block = item.block
+        table.add_row(
+            block.scope or f"block {block.index}",
+            block.kind,
+            f"{format_shape(block.in_shape)} -> {format_shape(block.out_shape)}",
+            item.reason,
+        )
+    return table
+
+
+def format_report_table(report: ConversionReport) -> Table:
+    """The ODE stages of a converted model, one row per stage and a total row."""
+    ratio = report.parameters_after / report.parameters_before if report.parameters_before else float("nan")
+    caption = (
+        f"parameters: {report.parameters_before:,} before, {report.parameters_after:,} after "
+        f"({ratio:.3f}x; BatchNorm folded into convs)"
+    )
+    if report.not_lifted:
+        caption += "; not lifted: " + "; ".join(f"{n} ({why})" for n, why in report.not_lifted)
+    table = Table(title=f"{report.model}: ODE stages", caption=caption, show_footer=True)
+    columns = (
+        ("stage", "left", "total"),
+        ("form", "left", ""),
+        ("depth L", "right", str(sum(s.depth for s in report.stages))),
+        ("knots K", "right", ""),
+        ("basis", "left", ""),
+        ("integrator", "left", ""),
+        ("steps", "right", str(sum(s.steps for s in report.stages))),
+        ("NFE", "right", str(report.nfe)),
+        ("backward", "left", ""),
+        ("knot params", "right", f"{report.knot_parameters:,}"),
+    )
+    for header, justify, footer in columns:
+        table.add_column(header, footer, justify=justify)  # type: ignore[arg-type]
+    for s in report.stages:
+        table.add_row(
+            s.name,
+            FORM_NAMES.get(s.form, s.form),
+            str(s.depth),
+            str(s.knots),
+            s.basis,
+            s.integrator,
+            str(s.steps),
+            str(s.nfe),
+            s.backward,
+            f"{s.parameters:,}",
+        )
+    return table
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]], text_columns: int = 2) -> list[str]:
+    """Lines of a markdown table; the first ``text_columns`` columns left-aligned, the rest right."""
+    rule = "|".join("---" if i < text_columns else "---:" for i in range(len(headers)))
+    return [
+        "| " + " | ".join(headers) + " |",
+        f"|{rule}|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]

@@ -1,0 +1,412 @@
+"""Converted models stay timm models: ``ConvertedModel`` keeps its source model's timm interface.
+
+A converted model is a ``torch.fx.GraphModule`` (its code is the unrolled ODE graph). This subclass
+adds what timm's tools ask a model for, answered from the source model:
+
+- ``pretrained_cfg``/``default_cfg``, ``num_classes``, ``num_features``, ``feature_info``: so
+  ``timm.data.resolve_model_data_config`` sees the real input size, mean/std and crop;
+- ``get_classifier``/``reset_classifier``: the classifier is one real module (``model.fc``);
+- ``forward_features``/``forward_head``: the graph cut where timm's ``forward_head`` starts;
+- ``no_weight_decay``/``group_matcher``: a knot stack is grouped like the per-block tensors it came
+  from (stacked biases stay out of weight decay; layer decay puts a stage's stack where its blocks were),
+  so ``timm.optim.create_optimizer_v2`` (with ``layer_decay``) and ``timm.utils.ModelEmaV3`` work.
+
+Everything lives in ``self.meta[META_TIMM]`` and node metadata, which ``copy.deepcopy`` (and so
+``retarget``, ``set_backward``, ``ModelEmaV3``) carries along. :func:`adopt` makes one at convert time.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from timm.models._manipulate import group_with_matcher
+from torch import nn
+
+from odeify.core.errors import OdeifyError
+from odeify.passes.segments import has_segments, inline_segments
+from odeify.passes.tracing import trace
+
+__all__ = ["HEAD_MARK", "META_TIMM", "ConvertedModel", "adopt", "default_input_size"]
+
+META_TIMM = "odeify_timm"  # GraphModule.meta key of the source model's timm interface (plain data)
+HEAD_MARK = "odeify_head"  # fx node meta key: the node belongs to timm's forward_head
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its code, its sub-graph views)
+
+
+def default_input_size(model: nn.Module) -> tuple[int, int, int, int]:
+    """(1, C, H, W) from timm's ``pretrained_cfg["input_size"]``, else (1, 3, 224, 224).
+
+    C follows ``model.in_chans`` where timm records it, since ``in_chans=1`` does not update the cfg.
+    """
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
+    size = cfg.get("input_size") if isinstance(cfg, Mapping) else None
+    if not (isinstance(size, (tuple, list)) and len(size) == 3):
+        size = (3, 224, 224)
+    chans = getattr(model, "in_chans", None)
+    c = chans if isinstance(chans, int) and chans > 0 else size[0]
+    return (1, int(c), int(size[1]), int(size[2]))
+
+
+class ConvertedModel(fx.GraphModule):
+    """The output of ``odeify.convert``: an fx GraphModule that answers timm's model interface."""
+
+    # --- timm's attributes -------------------------------------------------------------------------
+
+    @property
+    def _timm(self) -> dict[str, Any]:
+        return self.meta.setdefault(META_TIMM, {})
+
+    @property
+    def pretrained_cfg(self) -> dict[str, Any]:
+        """The source model's pretrained config (input size, mean/std, crop, classifier name, ...)."""
+        return self._timm.setdefault("pretrained_cfg", {})
+
+    @pretrained_cfg.setter
+    def pretrained_cfg(self, value: Mapping[str, Any]) -> None:
+        self._timm["pretrained_cfg"] = dict(value)
+
+    default_cfg = pretrained_cfg  # timm's older name for the same dict
+
+    @property
+    def num_classes(self) -> int:
+        return self._timm.get("num_classes", 0)
+
+    @property
+    def num_features(self) -> int | None:
+        return self._timm.get("num_features")
+
+    @property
+    def head_hidden_size(self) -> int | None:
+        return self._timm.get("head_hidden_size", self.num_features)
+
+    @property
+    def feature_info(self) -> list[dict[str, Any]]:
+        """The source's feature_info (channels, reduction; ``module`` names refer to the source model)."""
+        return self._timm.get("feature_info", [])
+
+    # --- classifier --------------------------------------------------------------------------------
+
+    def get_classifier(self) -> nn.Module:
+        """The classifier module (``model.fc`` for ResNets), with the converted model's parameters."""
+        return self.get_submodule(self._classifier_name())
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier with a fresh ``nn.Linear(num_features, num_classes)`` (Identity for 0)."""
+        name = self._classifier_name()
+        if not self._timm.get("classifier_is_call"):
+            raise OdeifyError(
+                "reset_classifier: this model's head is not a single classifier call odeify can swap; "
+                "reset the classifier of the source model and convert it again."
+            )
+        if global_pool is not None and global_pool != self._timm.get("global_pool"):
+            raise OdeifyError(
+                f"reset_classifier: changing the pooling ({self._timm.get('global_pool')!r} -> "
+                f"{global_pool!r}) changes the graph; call source.reset_classifier(n, global_pool=...) and "
+                "convert again."
+            )
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+            raise OdeifyError(f"reset_classifier: num_classes must be an integer >= 0, not {num_classes!r}")
+        like = next(self.get_classifier().parameters(), None)
+        like = like if like is not None else next(self.parameters())
+        if num_classes > 0:
+            new: nn.Module = nn.Linear(self.num_features, num_classes, device=like.device, dtype=like.dtype)
+        else:
+            new = nn.Identity()
+        self.set_submodule(name, new)
+        self._timm["num_classes"] = num_classes
+
+    def _classifier_name(self) -> str:
+        name = self._timm.get("classifier")
+        if not isinstance(name, str):
+            raise OdeifyError(
+                "this converted model has no single named classifier (pretrained_cfg['classifier'])"
+            )
+        return name
+
+    # --- features / head split ---------------------------------------------------------------------
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The converted graph up to where the source's ``forward_head`` starts."""
+        return self._views()["features"](x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """The source's ``forward_head`` on features ``x`` (pooled features with ``pre_logits=True``)."""
+        return self._views()["pre_logits" if pre_logits else "head"](x)
+
+    def _views(self) -> dict[str, fx.GraphModule]:
+        """Sub-graph modules sharing this model's parameters, rebuilt when the graph changes."""
+        cached = _VIEWS.get(self)
+        if cached is not None and cached[0] is self._code:
+            return cached[1]
+        views = _head_views(self)
+        _VIEWS[self] = (self._code, views)
+        return views
+
+    # --- optimizer grouping ------------------------------------------------------------------------
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters timm must not decay: the source's, plus every knot stack of 1-D per-block tensors.
+
+        timm leaves tensors with ``ndim <= 1`` (biases, norm scales) out of weight decay; stacked over
+        knots they are 2-D, so they are named here.
+        """
+        source_names = set(self._timm.get("no_weight_decay", []))
+        names = source_names & {name for name, _ in self.named_parameters()}
+        for attr, scopes in self._timm.get("stage_blocks", {}).items():
+            for slot, knots in self.get_submodule(attr).knots.items():
+                from_source = any(  # e.g. 'layer1.0.gamma' -> slot 'gamma' of its stage
+                    n.startswith(f"{scope}.") and n[len(scope) + 1 :].replace(".", "_") == slot
+                    for n in source_names
+                    for scope in scopes
+                )
+                if knots.ndim <= 2 or from_source:
+                    names.add(f"{attr}.knots.{slot}")
+        return names
+
+    @property
+    def group_matcher(self) -> Callable[[bool], Callable[[str], int]]:
+        """``group_matcher(coarse)``: timm's parameter grouping of the source, read through the knot stacks.
+
+        A knot stack is grouped with the blocks it came from. Under layer decay each stage's stack
+        counts as one layer, placed where its blocks were; everything else keeps the source's order.
+        (A property so that ``hasattr`` is False, and timm falls back, when the source had none.)
+        """
+        matchers = self._timm.get("group_matcher")
+        if not matchers:
+            raise AttributeError("group_matcher: the source model defines none")
+
+        def group_matcher(coarse: bool = False) -> Callable[[str], int]:
+            origin = {name: self._source_name(name) for name, _ in self.named_parameters()}
+            layer_of = group_with_matcher(
+                ((n, n) for n in sorted(set(origin.values()))),
+                matchers["coarse" if coarse else "fine"],
+                reverse=True,
+            )
+            last = max(layer_of.values(), default=0) + 1
+            return lambda name: layer_of.get(origin.get(name, ""), last)
+
+        return group_matcher
+
+    def _source_name(self, name: str) -> str:
+        """The source-model parameter name a converted parameter stands for (a stage's first block)."""
+        for attr, scopes in self._timm.get("stage_blocks", {}).items():
+            if name.startswith(f"{attr}.") and scopes:
+                rest = name[len(attr) + 1 :]
+                return f"{scopes[0]}.{rest.removeprefix('knots.')}"
+        return name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Making one at convert time
+
+
+class _Head(nn.Module):
+    """``source.forward_head`` as a module's forward, to trace it on its own."""
+
+    def __init__(self, source: nn.Module, pre_logits: bool) -> None:
+        super().__init__()
+        self.source = source
+        self.pre_logits = pre_logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.source.forward_head(x, pre_logits=self.pre_logits)
+
+
+def adopt(gm: fx.GraphModule, source: nn.Module, stage_blocks: Mapping[str, list[str]]) -> ConvertedModel:
+    """Make ``gm`` (a converted graph of ``source``) a ConvertedModel in place, recording timm's interface.
+
+    ``stage_blocks`` maps each ODEStage attribute to the source block names of its run. Call it before
+    lowering, while the head is still as traced. The head's nodes are marked so that forward_features
+    and forward_head find the cut after any retarget, and the classifier becomes one real module call.
+    """
+    cfg = getattr(source, "pretrained_cfg", None) or getattr(source, "default_cfg", None) or {}
+    record: dict[str, Any] = {
+        "pretrained_cfg": copy.deepcopy(dict(cfg)),
+        "num_classes": getattr(source, "num_classes", 0),
+        "num_features": getattr(source, "num_features", None),
+        "head_hidden_size": getattr(source, "head_hidden_size", getattr(source, "num_features", None)),
+        "feature_info": copy.deepcopy(list(getattr(source, "feature_info", []) or [])),
+        "classifier": cfg.get("classifier") if isinstance(cfg.get("classifier"), str) else None,
+        "global_pool": _pool_type(source),
+        "no_weight_decay": sorted(_call_or(source, "no_weight_decay", set())),
+        "group_matcher": _matchers(source),
+        "stage_blocks": {k: list(v) for k, v in stage_blocks.items()},
+        "classifier_is_call": False,
+    }
+    impl = type("GraphModuleImpl", (ConvertedModel,), {})  # fx's per-instance class, as GraphModule.__new__
+    impl.__name__ = type(gm).__name__
+    gm.__class__ = impl
+    gm.meta[META_TIMM] = record
+    if record["classifier"] and hasattr(source, "forward_head"):
+        record["classifier_is_call"] = _mark_head(gm, source, record["classifier"])
+    gm.recompile()
+    return gm  # type: ignore[return-value]
+
+
+def _call_or(source: nn.Module, method: str, default: Any) -> Any:
+    fn = getattr(source, method, None)
+    return fn() if callable(fn) else default
+
+
+def _pool_type(source: nn.Module) -> str | None:
+    pool = getattr(source, "global_pool", None) or getattr(getattr(source, "head", None), "global_pool", None)
+    kind = getattr(pool, "pool_type", pool)
+    return kind if isinstance(kind, str) else None
+
+
+def _matchers(source: nn.Module) -> dict[str, Any] | None:
+    """The source's group_matcher(coarse) for both settings, when it is data (regex dicts), else None."""
+    fn = getattr(source, "group_matcher", None)
+    if not callable(fn):
+        return None
+    found = {"coarse": fn(coarse=True), "fine": fn(coarse=False)}
+    return found if all(isinstance(m, Mapping) for m in found.values()) else None
+
+
+def _op(node: fx.Node, prefix: str = "") -> tuple[str, str]:
+    target = (
+        node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    )
+    return node.op, target.removeprefix(prefix) if node.op in ("call_module", "get_attr") else target
+
+
+def _compute_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def _mark_head(gm: fx.GraphModule, source: nn.Module, classifier: str) -> bool:
+    """Mark the graph's tail that is ``source.forward_head``; make its classifier one module call.
+
+    Returns whether the classifier is now a single ``call_module`` (so reset_classifier can swap it).
+    The head is found by tracing ``forward_head`` alone and matching its ops against the graph's tail;
+    when they differ, nothing is marked and forward_features/forward_head say so when called.
+    """
+    training = source.training
+    try:  # in eval mode, as the model itself was traced
+        head = _compute_nodes(trace(_Head(source.eval(), False)).graph)
+        pre = _compute_nodes(trace(_Head(source, True)).graph)
+    except Exception:  # a head fx cannot trace alone: no split, the rest of the interface stays
+        return False
+    finally:
+        source.train(training)
+    body = _compute_nodes(gm.graph)
+    tail = body[-len(head) :] if head else []
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    if (
+        not head
+        or [_op(n, "source.") for n in head] != [_op(n) for n in tail]
+        or output.args[0] is not tail[-1]
+    ):
+        return False
+    for node in tail:
+        node.meta[HEAD_MARK] = True
+    is_prefix = [_op(n, "source.") for n in pre] == [_op(n) for n in tail[: len(pre)]]
+    original = source.get_submodule(classifier)
+    ops = tail[len(pre) :]
+    linear = (
+        is_prefix
+        and isinstance(original, nn.Linear)
+        and [_op(n)[0] for n in ops]
+        in (["get_attr", "get_attr", "call_function"], ["get_attr", "call_function"])
+        and all(n.target.startswith(f"{classifier}.") for n in ops if n.op == "get_attr")
+        and getattr(ops[-1].target, "__name__", "") == "linear"
+    )
+    identity = is_prefix and not ops and isinstance(original, nn.Identity)
+    if not (linear or identity):
+        return False
+    features = pre[-1] if pre else None
+    pre_value = tail[len(pre) - 1] if features is not None else _head_input(tail)
+    with gm.graph.inserting_after(tail[-1]):
+        call = gm.graph.call_module(classifier, (pre_value,))
+    call.meta[HEAD_MARK] = True
+    call.meta["tensor_meta"] = tail[-1].meta.get("tensor_meta")
+    tail[-1].replace_all_uses_with(call)
+    holder = gm.get_submodule(classifier) if linear else None
+    for node in reversed(ops):
+        gm.graph.erase_node(node)
+    module = copy.deepcopy(original)
+    if holder is not None:  # the converted model's own parameters, under the same names
+        module.weight = holder.weight
+        module.bias = getattr(holder, "bias", None)
+    gm.set_submodule(classifier, module)
+    gm.graph.lint()
+    return True
+
+
+def _head_input(head_nodes: Iterable[fx.Node]) -> fx.Node:
+    """The one node outside ``head_nodes`` (not a parameter) that they read: the features."""
+    inside = set(head_nodes)
+    found = {a for n in inside for a in n.all_input_nodes if a not in inside and a.op != "get_attr"}
+    if len(found) != 1:
+        raise OdeifyError(
+            f"forward_features/forward_head: the head reads {len(found)} values of the graph, not one; "
+            "this model's features cannot be cut out. Use model(x) (or convert the source with "
+            "forward_features as its forward)."
+        )
+    return found.pop()
+
+
+def _head_views(model: ConvertedModel) -> dict[str, fx.GraphModule]:
+    """Sub-GraphModules of ``model``: features (input -> head input), head, and head up to pre-logits.
+
+    A model whose parts between stages are checkpointed segments (a whole-model backward mode) is
+    cut in its inlined graph: the views compute the same values, without the segments' recompute.
+    """
+    gm: fx.GraphModule = model
+    if has_segments(model):
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(model.graph, {}))
+        gm = inline_segments(fx.GraphModule(model, graph))  # shares the model's modules
+    head = [n for n in gm.graph.nodes if n.meta.get(HEAD_MARK)]
+    if not head:
+        raise OdeifyError(
+            "forward_features/forward_head: odeify could not find where this model's forward_head starts "
+            "(its head traced alone differs from the end of the model's graph). Use model(x)."
+        )
+    features = _head_input(head)
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    last = output.args[0]
+    calls = [n for n in head if n.op == "call_module" and n.target == model._timm.get("classifier")]
+    views = {"features": _view(gm, None, features), "head": _view(gm, features, last)}
+    if calls and model._timm.get("classifier_is_call"):
+        views["pre_logits"] = _view(gm, features, calls[-1].args[0])
+    else:
+        views["pre_logits"] = _unsupported(
+            "forward_head(pre_logits=True): this head has no single classifier call"
+        )
+    return views
+
+
+def _view(gm: fx.GraphModule, start: fx.Node | None, end: fx.Node) -> fx.GraphModule:
+    """A GraphModule computing ``end`` from ``start`` (or from the model input), sharing gm's modules."""
+    needed: set[fx.Node] = set()
+    stack = [end]
+    while stack:
+        node = stack.pop()
+        if node in needed or node is start:
+            continue
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    if start is not None:
+        env[start] = graph.placeholder("x")
+    for node in gm.graph.nodes:
+        if node in needed:
+            if node.op == "placeholder" and start is not None:
+                raise OdeifyError("forward_head: the head reads the model input as well as the features")
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[end])
+    return fx.GraphModule(gm, graph, type(gm).__name__)
+
+
+def _unsupported(message: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fail(x: torch.Tensor) -> torch.Tensor:
+        raise OdeifyError(message)
+
+    return fail  # type: ignore[return-value]

@@ -1,0 +1,270 @@
+"""Memory-saving backward passes for ODE stages (docs/backward-modes.md).
+
+:func:`integrate_with_adjoint` runs a stage under ``no_grad`` inside one
+``torch.autograd.Function`` whose inputs are the stage input and the stage's parameters (the
+knots), so gradients reach the knots as ordinary leaf gradients: optimizers, gradient clipping,
+loss scaling and DistributedDataParallel's hooks work unchanged.
+
+``backward='reversible'`` (reversible Heun, inverted bit-exactly on a fixed-point lattice) lives
+in :mod:`odeify.runtime.reversible`. The other two modes share :class:`_StageAdjoint`: backward walks the
+steps from last to first; at each it obtains the step's start state, re-runs the step with grad
+and takes its vector-Jacobian product. They differ only in how they obtain that state:
+
+- ``checkpoint``: from states saved in forward (every ``stage.checkpoint_every``-th step, the
+  ones between recomputed). Exact.
+- ``reverse``: by stepping the explicit tableau backward from the step's end (Sander et al.
+  2022). Saves only the input and output; approximate. Each step checks its reconstruction
+  (re-run forward from the rebuilt state, compare with the state it was rebuilt from); past
+  :data:`RECONSTRUCTION_TOLERANCE`, or not finite (a NaN sample), the pass restarts exactly,
+  from the saved input, with checkpointing, so a backward pass is either within tolerance at
+  every step or exact.
+
+Re-runs see the forward's autocast state, take only the knots their step reads
+(:mod:`odeify.runtime.rerun`), and replay the forward's random draws
+(:mod:`odeify.runtime.rng_tape`); a stage's trainable parameters outside its knots (a user's
+template module) get their gradients too. The approximate reverse step replays the draws whose names
+it shares with the forward step (all of them for Euler off native depth); its reconstruction check
+measures any mismatch. The global RNG stream is restored after backward
+(:class:`odeify.runtime.rerun.ForwardContext`).
+
+Why not ``torch.utils.checkpoint``'s RNG handling: it saves one RNG state per checkpointed call
+and replays the call whole and in order. The passes here re-run single steps from rebuilt states
+and, for ``reverse``, run other graphs (backward steps) that must reuse some of the forward's
+draws, so draws are recorded per graph node (:mod:`odeify.runtime.rng_tape`). The parts of a model
+between stages, which are recomputed whole, do use ``torch.utils.checkpoint``
+(:mod:`odeify.passes.segments`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from odeify.codegen.emit import step_graph
+from odeify.core.errors import ConfigError, FallbackWarning
+from odeify.ir.stage_ir import StageIR
+from odeify.runtime.rerun import ForwardContext, ParamGrads, knot_window_inputs
+from odeify.runtime.reversible import integrate_reversible
+
+__all__ = ["RECONSTRUCTION_TOLERANCE", "integrate_with_adjoint"]
+
+RECONSTRUCTION_TOLERANCE = 1e-3
+"""Largest relative one-step reconstruction error ``||step(rebuilt x_n) - x_{n+1}|| / ||x_{n+1}||``
+that ``backward='reverse'`` accepts before falling back to checkpointing. A stage may override it
+with a ``reverse_tolerance`` attribute. 1e-3 keeps the gradient error at a few percent on smooth
+stages (benchmarks/gradient_error.py) and far above fp32 round-off."""
+
+MEMORY_FREE_MODES = ("checkpoint", "reverse", "reversible")
+
+State = tuple[Tensor, ...]
+
+
+# A deliberate graph break under torch.compile: the Functions below run Python loops over cached
+# step graphs, record random draws and call autograd in backward, none of which dynamo can trace;
+# the rest of a compiled model (the segments between stages) still compiles.
+@torch.compiler.disable
+def integrate_with_adjoint(stage: StageIR, x: Tensor) -> Tensor:
+    """Run ``stage`` on ``x`` with the memory-saving backward named by ``stage.backward``."""
+    if stage.backward not in MEMORY_FREE_MODES:
+        raise ConfigError(
+            f"stage '{stage.stage_name}' has backward={stage.backward!r}; the adjoint runs only "
+            f"{', '.join(MEMORY_FREE_MODES)} (backprop goes through the unrolled graph)."
+        )
+    _check_batchnorm(stage)
+    knots = stage.knot_tensors()
+    extras = [p for p in stage.parameters() if p.requires_grad and not any(p is k for k in knots)]
+    if not (x.requires_grad or any(t.requires_grad for t in (*knots, *extras))):
+        with torch.no_grad():
+            return stage(x)
+    if stage.backward == "reversible":
+        return integrate_reversible(stage, x, knots, extras)
+    return _StageAdjoint.apply(stage, len(knots), x, *knots, *extras)
+
+
+def _check_batchnorm(stage: StageIR) -> None:
+    """Refuse train-mode BatchNorm: a re-run would update running stats twice, on other batch stats."""
+    for name, module in stage.named_modules():
+        if isinstance(module, _BatchNorm) and module.training:
+            raise ConfigError(
+                f"stage '{stage.stage_name}' holds BatchNorm '{name}' in training mode, but "
+                f"backward={stage.backward!r} re-runs steps in backward, which would update its running "
+                "statistics a second time (and a reconstructed state has other batch statistics). "
+                "Fold it into the conv before it (odeify.convert does) or freeze it with .eval()."
+            )
+
+
+class _StageAdjoint(torch.autograd.Function):
+    """Inputs: the stage, how many knot tensors follow x, x, the knots, other trainable parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, stage: StageIR, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
+        mode, every = stage.backward, stage.checkpoint_every
+        context = ForwardContext.capture(x)
+        knots = list(params[:num_knots])
+        state = stage.initial_state(x)
+        saved: list[Tensor] = []
+        for n in range(stage.steps):
+            if mode == "checkpoint" and n % every == 0:
+                saved.extend(state)
+            graph = step_graph(stage, n)
+            state = context.record(n, graph, (*state, *knot_window_inputs(graph, knots)))
+        if mode == "reverse":
+            saved = [x, *state]
+        ctx.stage, ctx.mode, ctx.every, ctx.context, ctx.num_knots = stage, mode, every, context, num_knots
+        ctx.save_for_backward(*params, *saved)
+        return state[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        count = len(ctx.needs_input_grad) - 3  # the inputs after (stage, num_knots, x)
+        params, states = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
+        grads = ParamGrads(params, ctx.num_knots, ctx.needs_input_grad[3:])
+        pass_ = _StagePass(ctx.stage, grads, ctx.needs_input_grad[2], ctx.context)
+        with ctx.context.restored():
+            if ctx.mode == "checkpoint":
+                width = len(ctx.stage.initial_state(grad_out))
+                grad_x = pass_.checkpointed(_chunk(states, width), ctx.every, grad_out)
+            else:
+                grad_x = pass_.reconstructed(tuple(states[1:]), grad_out, states[0])
+        return (None, None, grad_x, *pass_.grads.result())
+
+
+class _StagePass:
+    """One backward pass over a stage: re-runs steps, takes their VJPs, accumulates the gradients."""
+
+    def __init__(self, stage: StageIR, grads: ParamGrads, needs_x: bool, context: ForwardContext):
+        self.stage, self.grads, self.needs_x, self.context = stage, grads, needs_x, context
+        self.stats = stage.adjoint_stats
+
+    def checkpointed(self, saved: list[State], every: int, grad_out: Tensor) -> Tensor | None:
+        """Exact: re-run each segment of ``every`` steps from its saved start, then VJP its steps."""
+        self.stats.backward_passes += 1
+        steps = self.stage.steps
+        cotangent = self._start(grad_out)
+        for segment in reversed(range(len(saved))):
+            begin, end = segment * every, min(segment * every + every, steps)
+            states = [saved[segment]]
+            with torch.no_grad():
+                for n in range(begin, end - 1):
+                    states.append(self._run(n, "forward", states[-1]))
+            for n in reversed(range(begin, end)):
+                _, cotangent = self._vjp(n, states.pop(), cotangent)
+        return self._finish(cotangent)
+
+    def reconstructed(self, final: State, grad_out: Tensor, x: Tensor) -> Tensor | None:
+        """Rebuild each step's start by stepping backward from its end, then VJP the step.
+
+        Step 0 starts from ``x`` itself. A reconstruction error past the tolerance, or not finite,
+        abandons the pass for :meth:`checkpointed` from x. On the CPU each step's error is checked
+        at once; on an accelerator they are read together at the end (one device sync per pass).
+        """
+        tolerance = getattr(self.stage, "reverse_tolerance", RECONSTRUCTION_TOLERANCE)
+        check_each_step = x.device.type == "cpu"
+        cotangent = self._start(grad_out)
+        errors: list[Tensor] = []  # errors[i]: step (i + 1)'s start, filled from the last step down
+        state = final
+        for n in reversed(range(1, self.stage.steps)):
+            with torch.no_grad():
+                start = self._run(n, "reverse", state)
+            end, cotangent = self._vjp(n, start, cotangent)
+            errors.insert(0, _relative_error(end, state))
+            if check_each_step and not float(errors[0]) <= tolerance:  # NaN fails too
+                return self._fall_back(x, errors, tolerance, grad_out)
+            state = start
+        if errors and not check_each_step:
+            values = torch.stack(errors).tolist()
+            if not all(v <= tolerance for v in values):
+                return self._fall_back(x, errors, tolerance, grad_out)
+        _, cotangent = self._vjp(0, self.stage.initial_state(x), cotangent)
+        self.stats.backward_passes += 1
+        self.stats.record([x.new_zeros(()), *errors])
+        return self._finish(cotangent)
+
+    def _fall_back(
+        self, x: Tensor, errors: list[Tensor], tolerance: float, grad_out: Tensor
+    ) -> Tensor | None:
+        """Redo the whole pass exactly from the saved input, keeping sqrt(steps) states."""
+        self.stats.record(errors)
+        self.stats.fallbacks += 1
+        steps = self.stage.steps
+        failed = next(i for i, e in enumerate(self.stats.last_errors) if not e <= tolerance)
+        n, error = failed + steps - len(errors), self.stats.last_errors[failed]
+        if self.stats.fallbacks == 1:
+            cause = "is not finite (a NaN or inf in the batch?)" if math.isinf(error) else f"{error:.2e}"
+            warnings.warn(
+                f"odeify: stage '{self.stage.stage_name}' (backward='reverse', integrator="
+                f"'{self.stage.integrator.name}', steps={steps}) could not rebuild its states: step {n} "
+                f"has reconstruction error {cause} > tolerance {tolerance:.0e}. This backward pass was "
+                "redone exactly with checkpointing from the stage input (more compute, memory ~ "
+                "sqrt(steps) states), and later ones will be too whenever this happens; "
+                "stage.adjoint_stats.fallbacks counts them. To stay memory-free use more steps or "
+                "integrator='heun' instead of 'euler'; if memory allows, backward='checkpoint' skips "
+                "the failed attempts.",
+                FallbackWarning,
+                stacklevel=2,
+            )
+        self.grads.reset()
+        every = math.isqrt(steps - 1) + 1  # ceil(sqrt(steps))
+        state = self.stage.initial_state(x)
+        saved = [state]
+        with torch.no_grad():
+            for m in range(every * ((steps - 1) // every)):
+                state = self._run(m, "forward", state)
+                if (m + 1) % every == 0:
+                    saved.append(state)
+        return self.checkpointed(saved, every, grad_out)
+
+    # -- one step ------------------------------------------------------------------------------
+    def _start(self, grad_out: Tensor) -> list[Tensor | None]:
+        """Cotangents of the final state: the output's, then None for reversible Heun's z."""
+        width = len(self.stage.initial_state(grad_out))
+        return [grad_out, *([None] * (width - 1))]
+
+    def _vjp(self, n: int, start: State, cotangent: list[Tensor | None]) -> tuple[State, list[Tensor | None]]:
+        """Re-run step ``n`` from ``start`` with grad; returns its end state and its start's cotangents."""
+        need_state = n > 0 or self.needs_x
+        graph = step_graph(self.stage, n)
+        rerun = self.grads.rerun(graph)
+        with torch.enable_grad():
+            inputs = tuple(s.detach().requires_grad_(need_state) for s in start)
+            end = self.context.replay(n, graph, (*inputs, *rerun.knots))
+            pairs = [(e, g) for e, g in zip(end, cotangent, strict=True) if g is not None]
+            wrt = [*inputs, *rerun.wrt] if need_state else rerun.wrt
+            step_grads = torch.autograd.grad(
+                [e for e, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+            )
+        self.grads.add(rerun, step_grads[len(inputs) :] if need_state else step_grads)
+        state_cotangent = list(step_grads[: len(inputs)]) if need_state else [None] * len(inputs)
+        return tuple(e.detach() for e in end), state_cotangent
+
+    def _run(self, n: int, kind: str, state: State) -> State:
+        """Step graph ``n`` of ``kind`` without grad, replaying the random draws step n made in forward."""
+        graph = step_graph(self.stage, n, kind)
+        rerun = self.grads.rerun(graph, differentiate=False)
+        return self.context.replay(n, graph, (*state, *rerun.knots))
+
+    def _finish(self, cotangent: list[Tensor | None]) -> Tensor | None:
+        """The gradient w.r.t. x, which fed every component of the initial state."""
+        if not self.needs_x:
+            return None
+        parts = [g for g in cotangent if g is not None]
+        return sum(parts[1:], parts[0])
+
+
+def _relative_error(got: State, want: State) -> Tensor:
+    """||got - want|| / ||want|| over all state components, as a 0-dim tensor (no device sync)."""
+    diff = torch.stack([torch.linalg.vector_norm(g - w) for g, w in zip(got, want, strict=True)]).norm()
+    norm = torch.stack([torch.linalg.vector_norm(w) for w in want]).norm()
+    return diff / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+
+
+def _chunk(flat: Sequence[Tensor], width: int) -> list[State]:
+    return [tuple(flat[i : i + width]) for i in range(0, len(flat), width)]

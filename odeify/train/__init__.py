@@ -1,0 +1,1 @@
+"""Training and measuring: image datasets, evaluation, manifestation sweeps and fine-tuning."""

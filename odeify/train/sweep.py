@@ -1,0 +1,77 @@
+"""Accuracy and cost of one converted model over many manifestations, without any training.
+
+``odeify sweep`` retargets the model to every (integrator, steps, knots) combination asked for and
+evaluates each: the trade-off between field evaluations (NFE) and accuracy a user picks from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import product
+
+import torch.fx as fx
+
+from odeify.compiler.conversion import retarget
+from odeify.inspection.report import markdown_table
+from odeify.train.evaluate import evaluate
+
+__all__ = ["SweepPoint", "sweep", "sweep_markdown"]
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One manifestation and what it measured (accuracy in [0, 1], NFE per forward pass)."""
+
+    integrator: str
+    steps: str
+    knots: str
+    nfe: int
+    accuracy: float
+    seconds_per_batch: float
+
+
+def sweep(
+    model: fx.GraphModule,
+    batches: Callable[[], Iterable],
+    integrators: Sequence[str],
+    steps: Sequence[int | str],
+    knots: Sequence[int | str] = ("native",),
+    *,
+    max_batches: int | None = None,
+    on_point: Callable[[SweepPoint], None] | None = None,
+) -> list[SweepPoint]:
+    """Evaluate ``model`` retargeted to every combination; ``batches()`` yields a fresh pass of data.
+
+    Knots are refitted from the model as given (least squares below its count, resampled above);
+    every point runs with ``backward='backprop'`` (evaluation never runs a backward pass).
+    """
+    points = []
+    for integrator, step, knot in product(integrators, steps, knots):
+        manifestation = retarget(model, integrator=integrator, steps=step, knots=knot, backward="backprop")
+        result = evaluate(manifestation, batches(), max_batches=max_batches)
+        point = SweepPoint(
+            integrator, str(step), str(knot), result.nfe, result.accuracy, result.seconds_per_batch
+        )
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+    return points
+
+
+def sweep_markdown(points: Sequence[SweepPoint]) -> list[str]:
+    """The points as markdown table lines (accuracy in percent, time in milliseconds per batch)."""
+    rows = [
+        (
+            p.integrator,
+            p.steps,
+            p.knots,
+            str(p.nfe),
+            f"{100 * p.accuracy:.2f}",
+            f"{1000 * p.seconds_per_batch:.1f}",
+        )
+        for p in points
+    ]
+    return markdown_table(
+        ("integrator", "steps", "knots", "NFE", "accuracy %", "ms/batch"), rows, text_columns=3
+    )

@@ -1,0 +1,235 @@
+"""Trace a model with torch.fx and annotate every node with its shape, without a real forward.
+
+Leaf policy (which modules stay opaque ``call_module`` nodes):
+
+* timm's registry of untraceable modules, minus ``NormFreeBlock`` (kept opaque it would hide
+  NF-ResNet's residual structure);
+* plus timm's ``DropPath``: traced through, its ``self.training`` test would be frozen at trace
+  time (traced in eval mode, the module would vanish from the graph);
+* torch.nn modules, as fx does by default, so norm layers that branch on ``self.training`` never
+  have the training flag frozen into the graph;
+* except the parameterised layers in :data:`TRACE_THROUGH`, which are traced into functional calls
+  so their weights appear as ``get_attr`` nodes that later passes can rewrite.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from odeify.core.dtypes import model_dtype
+from odeify.core.errors import TraceError
+from odeify.passes.contract import PassSpec, graph_pass
+
+TRACE_THROUGH: tuple[type[nn.Module], ...] = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.Linear,
+    nn.GroupNorm,
+    nn.LayerNorm,
+)
+"""torch.nn layers traced into ``torch.conv2d(x, self.weight, ...)`` and the like."""
+
+
+def _timm_leaves() -> tuple[set[type[nn.Module]], tuple]:
+    """timm's untraceable modules and functions, adjusted as the module docstring says."""
+    from timm.layers import DropPath
+    from timm.layers import _fx as timm_fx
+
+    leaves = set(timm_fx.get_notrace_modules())
+    try:
+        from timm.models.nfnet import NormFreeBlock
+
+        leaves.discard(NormFreeBlock)
+    except ImportError:  # pragma: no cover - older timm without NF nets
+        pass
+    leaves.add(DropPath)
+    return leaves, tuple(timm_fx.get_notrace_functions())
+
+
+class ResidualTracer(fx.Tracer):
+    """An fx tracer with odeify's leaf policy; ``extra_leaves`` lets users keep more modules opaque."""
+
+    def __init__(self, extra_leaves: Sequence[type[nn.Module]] = ()) -> None:
+        leaves, functions = _timm_leaves()
+        super().__init__(autowrap_functions=functions)
+        self.leaf_types = leaves | set(extra_leaves)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if type(m) in self.leaf_types:
+            return True
+        if isinstance(m, TRACE_THROUGH) and type(m).__module__.startswith("torch.nn"):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
+    """Symbolically trace ``model``; on failure say which code FX choked on and what to do."""
+    tracer = ResidualTracer(extra_leaves)
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
+        raise TraceError(_untraceable_message(model, exc)) from exc
+    name = type(model).__name__
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def _untraceable_message(model: nn.Module, exc: Exception) -> str:
+    where = _innermost_module_frame(exc, model)
+    location = f" in module '{where[0]}' ({where[1]})" if where else ""
+    return (
+        f"torch.fx could not trace {type(model).__name__}{location}: {type(exc).__name__}: {exc}. "
+        "This usually means data-dependent Python control flow (an `if` or loop on tensor values) "
+        "or a call FX cannot symbolize. Keep that module opaque by passing its class as a leaf, "
+        "e.g. odeify.analyze(model, leaf_modules=[ThatModule]) or `--leaf ThatModule` on the CLI; "
+        "a leaf cannot be part of an ODE stage's weights, but the rest of the model still converts."
+    )
+
+
+def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, str] | None:
+    """The deepest submodule whose forward appears in the traceback, as (qualified name, class)."""
+    by_code = {}
+    for qualified, sub in model.named_modules():
+        code = getattr(type(sub).forward, "__code__", None)
+        if code is not None:
+            by_code.setdefault(code, (qualified or "<root>", type(sub).__name__))
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        hit = by_code.get(tb.tb_frame.f_code)
+        if hit is not None:
+            found = hit
+        tb = tb.tb_next
+    return found
+
+
+ANNOTATE_SHAPES = PassSpec(
+    "annotate_shapes", preserves_computation=True, modifies_graph=False, ensures=frozenset({"shapes"})
+)
+
+
+@graph_pass(ANNOTATE_SHAPES)
+def annotate_shapes(gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
+    """Record ``node.meta["tensor_meta"]`` for every node, running the graph on meta tensors.
+
+    Meta tensors carry shapes and dtypes but no data, so a resnet152 costs no real forward and no
+    copy of its weights. An input the model rejects raises a :class:`TraceError` naming the node.
+
+    Why not torch's own propagators: ``torch.fx.passes.shape_prop.ShapeProp`` runs the real
+    forward (a full resnet152 pass on real weights); ``FakeTensorProp`` needs the module's weights
+    converted to fake tensors first, which meant a deep copy of the model (0.9 s against 0.34 s
+    here for resnet152's analysis) and fails on leaves that branch on values, which this
+    interpreter runs for real on zeros instead. The metadata format is ShapeProp's
+    (``_extract_tensor_metadata``), so ``node.meta["tensor_meta"]`` reads the same either way.
+    """
+    if dtype is None:
+        dtype = model_dtype(gm)
+    example = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
+    try:
+        with torch.no_grad():
+            _MetaShapeProp(gm).run(example)
+    except _NodeFailed as failed:
+        raise TraceError(
+            f"The model rejects an input of shape {tuple(input_shape)}: node '{failed.node.name}' "
+            f"({failed.node.format_node()}) failed with {failed.cause}. Pass the input size the model "
+            "was built for, e.g. input_size=(1, 3, 224, 224) or `--input-size 3 224 224`."
+        ) from failed.cause
+
+
+class _NodeFailed(Exception):
+    def __init__(self, node: fx.Node, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.node = node
+        self.cause = cause
+
+
+def _to_meta(value):
+    return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
+
+
+def _keeps_shape(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """A norm layer (with timm's act/drop parts) applied to a tensor with its number of channels.
+
+    Its output has the input's shape and dtype; answering directly skips torch's meta batch_norm,
+    a Python decomposition that costs more than the rest of a small model's annotation.
+    """
+    if not isinstance(module, nn.modules.batchnorm._NormBase) or kwargs or len(args) != 1:
+        return False
+    x = args[0]
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == module.num_features
+
+
+class _MetaShapeProp(fx.Interpreter):
+    """Runs a graph on meta tensors, swapping weights for meta copies as nodes read them.
+
+    A node meta tensors cannot run (a leaf that branches on values, ``if x.sum() > 0``) runs for
+    real on zeros of its inputs' shapes; if that fails too, the node really rejects its input.
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.real = False
+        self._meta_attrs: dict[str, torch.Tensor] = {}
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if self.real:
+            return value
+        if target not in self._meta_attrs:
+            self._meta_attrs[target] = _to_meta(value)
+        return self._meta_attrs[target]
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        if self.real:
+            return module(*args, **kwargs)
+        if _keeps_shape(module, args, kwargs):
+            return torch.empty_like(args[0])
+        tensors = {name: _to_meta(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        return torch.func.functional_call(module, tensors, tuple(args), kwargs)
+
+    def run_node(self, n: fx.Node):
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        try:
+            result = super().run_node(n)
+        except Exception:
+            result = self._run_on_zeros(n)
+        if isinstance(result, torch.Tensor):
+            n.meta["tensor_meta"] = _extract_tensor_metadata(result)
+        elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
+            n.meta["tensor_meta"] = type(result)(_extract_tensor_metadata(r) for r in result)
+        return result
+
+    def _run_on_zeros(self, n: fx.Node):
+        def real(a):
+            return torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
+
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = fx.node.map_aggregate((args, kwargs), real)
+        self.real = True
+        try:
+            result = getattr(self, n.op)(n.target, args, kwargs)
+        except Exception as exc:
+            raise _NodeFailed(n, exc) from exc
+        finally:
+            self.real = False
+        return fx.node.map_aggregate(result, _to_meta)
+
+
+def node_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The annotated tensor shape of a node, or None when it does not produce one tensor."""
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if isinstance(meta, TensorMetadata) else None
+
+
+def suggest_names(name: str, candidates: Sequence[str], n: int = 5) -> list[str]:
+    """Close matches for a misspelled name, for error messages."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)
