@@ -5,16 +5,18 @@ In the spirit of torch.fx's ``PassBase``/``PassManager`` (``requires``/``ensures
 :class:`PassSpec` with :func:`graph_pass`. Calling the decorated function runs it through
 :func:`run_pass`, which
 
-* refuses a graph that lacks a required property (a pass applied out of order);
+* refuses a graph that lacks a required property, or has a forbidden one (a pass out of order);
 * for a transformation (``modifies_graph``) does the one ``graph.lint()`` + ``recompile()`` tail;
-* for an analysis checks that the graph, its modules and its tensors are unchanged afterwards:
-  analyses write their results to ``node.meta`` and their return value only;
-* records the properties the graph now has in ``gm.meta[PROPERTIES_KEY]``.
+* for an analysis checks that the graph, its modules and its tensors (their identity, shape, dtype
+  and in-place version counter) are unchanged: analyses write to ``node.meta`` and their return
+  value only;
+* checks that every ensured property holds (each :class:`~odeify.passes.properties.Property` has a
+  cheap check of the graph itself), then records the graph's properties in ``gm.meta``.
 
-Properties are plain names: ``shapes`` (every node carries ``tensor_meta``), ``bn_folded``,
-``blocks`` and ``runs`` (the analysis tags in ``node.meta``), ``lifted`` (runs are stage calls).
-``tests/test_passes.py`` checks every transformation declaring ``preserves_computation`` against
-eager output.
+Properties are the named constants of :mod:`odeify.passes.properties`; a declaration naming
+anything else is refused when the module defining the pass is imported. The pipelines that run the
+passes in order are in :mod:`odeify.compiler.pipeline`. ``tests/test_passes.py`` checks every
+transformation declaring ``preserves_computation`` against eager output.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from typing import ParamSpec, TypeVar
 
 import torch.fx as fx
 
+from odeify.passes.properties import PROPERTIES, Property
+
 PROPERTIES_KEY = "odeify_properties"
-"""``gm.meta`` key: the set of properties the graph has (survives ``copy.deepcopy``)."""
+"""``gm.meta`` key: the names of the properties the graph has (survives ``copy.deepcopy``)."""
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -41,39 +45,59 @@ class PassContractError(RuntimeError):
 class PassSpec:
     """What a graph pass needs, what it guarantees, and what kind of pass it is.
 
-    ``invalidates`` names properties a transformation destroys (folding BN erases nodes the block
-    tags named); ``preserves_computation`` says the module's output is unchanged (to round-off);
-    ``modifies_graph`` is False for analyses, which the runner holds to read-only.
+    ``forbids`` names properties the graph must not have (raising stages needs the segments inlined
+    first); ``invalidates`` names properties a transformation destroys (folding BN erases nodes the
+    block tags named); ``preserves_computation`` says the module's output is unchanged (to
+    round-off); ``modifies_graph`` is False for analyses, which the runner holds to read-only.
     """
 
     name: str
     preserves_computation: bool
     modifies_graph: bool
-    requires: frozenset[str] = frozenset()
-    ensures: frozenset[str] = frozenset()
-    invalidates: frozenset[str] = frozenset()
+    requires: frozenset[Property] = frozenset()
+    ensures: frozenset[Property] = frozenset()
+    invalidates: frozenset[Property] = frozenset()
+    forbids: frozenset[Property] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.modifies_graph and (self.invalidates or not self.preserves_computation):
             raise ValueError(f"analysis pass {self.name!r} cannot invalidate properties or change output")
+        for prop in self.requires | self.ensures | self.invalidates | self.forbids:
+            if PROPERTIES.get(getattr(prop, "name", None)) is not prop:
+                raise ValueError(
+                    f"pass {self.name!r} names {prop!r}, which is not in odeify.passes.properties"
+                )
+
+    def after(self, have: frozenset[Property]) -> frozenset[Property]:
+        """The properties a graph that had ``have`` has after this pass."""
+        return (have - self.invalidates) | self.ensures
+
+    def refusal(self, have: frozenset[Property]) -> str | None:
+        """Why this pass cannot run on a graph with properties ``have``, or None."""
+        missing = sorted(p.name for p in self.requires - have)
+        present = sorted(p.name for p in self.forbids & have)
+        if not (missing or present):
+            return None
+        why = [f"requires {', '.join(missing)}"] if missing else []
+        why += [f"forbids {', '.join(present)}"] if present else []
+        needed = "; ".join(f"{p.name}: {p.meaning}" for p in sorted(self.requires - have, key=str))
+        return (
+            f"pass {self.name!r} {' and '.join(why)}; the graph has "
+            f"{', '.join(sorted(p.name for p in have)) or 'none'}" + (f" ({needed})" if needed else "")
+        )
 
 
-def graph_properties(gm: fx.GraphModule) -> frozenset[str]:
+def graph_properties(gm: fx.GraphModule) -> frozenset[Property]:
     """The properties recorded on ``gm`` by the passes run on it so far."""
-    return frozenset(gm.meta.get(PROPERTIES_KEY, ()))
+    return frozenset(PROPERTIES[name] for name in gm.meta.get(PROPERTIES_KEY, ()) if name in PROPERTIES)
 
 
 def run_pass(spec: PassSpec, fn: Callable[..., R], gm: fx.GraphModule, *args, **kwargs) -> R:
     """Run ``fn(gm, *args, **kwargs)`` under ``spec``'s contract (see the module docstring)."""
     have = graph_properties(gm)
-    missing = sorted(spec.requires - have)
-    if missing:
-        raise PassContractError(
-            f"pass {spec.name!r} requires {', '.join(missing)} on the graph, which has "
-            f"{', '.join(sorted(have)) or 'none'}; run the pass that ensures it first "
-            "(shapes: odeify.passes.tracing.annotate_shapes; blocks/runs: "
-            "odeify.compiler.analysis.analyze_graph)."
-        )
+    refused = spec.refusal(have)
+    if refused:
+        raise PassContractError(refused + "; run the passes that ensure it first (odeify.compiler.pipeline)")
     before = None if spec.modifies_graph else _fingerprint(gm)
     result = fn(gm, *args, **kwargs)
     if spec.modifies_graph:
@@ -84,7 +108,12 @@ def run_pass(spec: PassSpec, fn: Callable[..., R], gm: fx.GraphModule, *args, **
             f"analysis pass {spec.name!r} changed the graph, its modules or its tensors; analyses may "
             "write node.meta only. Declare it modifies_graph=True or leave the graph alone."
         )
-    gm.meta[PROPERTIES_KEY] = sorted((have - spec.invalidates) | spec.ensures)
+    broken = sorted(p.name for p in spec.ensures if not p.holds(gm))
+    if broken:
+        raise PassContractError(
+            f"pass {spec.name!r} ensures {', '.join(broken)}, which does not hold after it"
+        )
+    gm.meta[PROPERTIES_KEY] = sorted(p.name for p in spec.after(have))
     return result
 
 
@@ -109,11 +138,12 @@ def _fingerprint(gm: fx.GraphModule) -> tuple:
     """What an analysis must leave alone: the graph's nodes and edges, the module tree, the tensors.
 
     Nodes compare by identity and their (immutable) args by value: cheaper than the graph's text.
+    Tensors compare by identity, shape, dtype and version counter, so an in-place ``mul_`` shows.
     """
     graph = tuple((n, n.name, n.op, n.target, n.args, dict(n.kwargs)) for n in gm.graph.nodes)
     modules = tuple((name, id(m)) for name, m in gm.named_modules(remove_duplicate=False))
     tensors = tuple(
-        (name, id(t))
+        (name, id(t), t._version, tuple(t.shape), t.dtype)
         for name, t in [
             *gm.named_parameters(remove_duplicate=False),
             *gm.named_buffers(remove_duplicate=False),

@@ -26,15 +26,16 @@ from odeify.ir.plan import Run
 from odeify.ir.stage_ir import Slot, StageIR
 from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.graph_utils import fetch_attr, identity_sources, owner_of, unique_name
+from odeify.passes.properties import BLOCKS, RUNS, STAGE_CALLS
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
 
 LIFT_RUNS = PassSpec(
     "lift_runs",
     preserves_computation=True,
     modifies_graph=True,
-    requires=frozenset({"runs"}),
-    ensures=frozenset({"lifted"}),
-    invalidates=frozenset({"blocks", "runs"}),  # the runs' nodes are replaced by stage calls
+    requires=frozenset({RUNS}),
+    ensures=frozenset({STAGE_CALLS}),
+    invalidates=frozenset({BLOCKS, RUNS}),  # the runs' nodes are replaced by stage calls
 )
 
 

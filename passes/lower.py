@@ -4,8 +4,8 @@
 steps; stages trained with a memory-saving backward mode stay one node, which calls the adjoint.
 ``raise_stages`` is the inverse: it collapses inlined stages back into single calls, so a
 converted model can be re-emitted for another manifestation without the original network. It
-first inlines any checkpointed segments (:mod:`odeify.passes.segments`), so that retarget, save
-and set_backward see the graph as lowering wrote it.
+forbids checkpointed segments (:mod:`odeify.passes.segments`): a pipeline inlines them first, so
+that retarget, save and set_backward see the graph as lowering wrote it.
 """
 
 from __future__ import annotations
@@ -16,14 +16,25 @@ from odeify.codegen.emit import StageWriter, write_stage
 from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
 from odeify.passes.contract import PassSpec, graph_pass
-from odeify.passes.segments import inline_segments
+from odeify.passes.properties import LOWERED, SEGMENTS, SHAPES, STAGE_CALLS
 
-LOWER_STAGES = PassSpec("lower_stages", preserves_computation=True, modifies_graph=True)
+LOWER_STAGES = PassSpec(
+    "lower_stages",
+    preserves_computation=True,
+    modifies_graph=True,
+    requires=frozenset({STAGE_CALLS}),
+    ensures=frozenset({LOWERED}),
+    invalidates=frozenset({STAGE_CALLS, SHAPES}),  # emitted nodes carry no tensor_meta
+    forbids=frozenset({SEGMENTS}),
+)
 RAISE_STAGES = PassSpec(
     "raise_stages",
     preserves_computation=True,
     modifies_graph=True,
-    invalidates=frozenset({"segments"}),  # segments are inlined first
+    requires=frozenset({LOWERED}),
+    ensures=frozenset({STAGE_CALLS}),
+    invalidates=frozenset({LOWERED}),
+    forbids=frozenset({SEGMENTS}),  # inline them first: passes.segments.inline_segments
 )
 
 
@@ -56,7 +67,6 @@ def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
 @graph_pass(RAISE_STAGES)
 def raise_stages(gm: fx.GraphModule) -> fx.GraphModule:
     """Collapse every inlined stage of ``gm`` back into one ``call_module`` node, in place."""
-    inline_segments(gm)
     stages = {m.stage_name: name for name, m in gm.named_children() if isinstance(m, StageIR)}
     for stage_name, attribute in stages.items():
         members = [n for n in gm.graph.nodes if _inlined(n, stage_name)]

@@ -28,14 +28,15 @@ from odeify.passes.graph_utils import (
     node_tensors,
     weight_expressions,
 )
+from odeify.passes.properties import BLOCKS, SHAPES
 from odeify.passes.tracing import node_shape
 
 FIND_BLOCKS = PassSpec(
     "find_blocks",
     preserves_computation=True,
     modifies_graph=False,
-    requires=frozenset({"shapes"}),
-    ensures=frozenset({"blocks"}),
+    requires=frozenset({SHAPES}),
+    ensures=frozenset({BLOCKS}),
 )
 
 

@@ -24,13 +24,14 @@ from odeify.ir.meta import tag
 from odeify.ir.plan import Block, Discrete, Run
 from odeify.passes.contract import PassSpec, graph_pass
 from odeify.passes.graph_utils import common_prefix, fetch_attr, is_pass_through, module_config, unique_name
+from odeify.passes.properties import BLOCKS, RUNS
 
 GROUP_RUNS = PassSpec(
     "group_runs",
     preserves_computation=True,
     modifies_graph=False,
-    requires=frozenset({"blocks"}),
-    ensures=frozenset({"runs"}),
+    requires=frozenset({BLOCKS}),
+    ensures=frozenset({RUNS}),
 )
 
 

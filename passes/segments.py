@@ -41,14 +41,15 @@ from odeify.core.errors import ConfigError
 from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
 from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.properties import SEGMENTS
 
-__all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments"]
+__all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments", "without_segments"]
 
 CHECKPOINT_SEGMENTS = PassSpec(
-    "checkpoint_segments", preserves_computation=True, modifies_graph=True, ensures=frozenset({"segments"})
+    "checkpoint_segments", preserves_computation=True, modifies_graph=True, ensures=frozenset({SEGMENTS})
 )
 INLINE_SEGMENTS = PassSpec(
-    "inline_segments", preserves_computation=True, modifies_graph=True, invalidates=frozenset({"segments"})
+    "inline_segments", preserves_computation=True, modifies_graph=True, invalidates=frozenset({SEGMENTS})
 )
 
 SEGMENT_PREFIX = "odeify_segment"
@@ -133,9 +134,29 @@ def checkpoint_segments(gm: fx.GraphModule) -> fx.GraphModule:
 @graph_pass(INLINE_SEGMENTS)
 def inline_segments(gm: fx.GraphModule) -> fx.GraphModule:
     """Undo :func:`checkpoint_segments` in place: the graph it started from, node for node."""
-    segments = [node for node in gm.graph.nodes if _is_segment_call(gm, node)]
+    segments = [node.target for node in gm.graph.nodes if _is_segment_call(gm, node)]
     if not segments:
         return gm
+    _install(gm, _inlined_graph(gm))
+    for name in segments:
+        delattr(gm, name)
+    return gm
+
+
+def without_segments(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule sharing ``gm``'s modules whose graph has the segments inlined; ``gm`` unchanged.
+
+    What reads a segmented model's graph as lowering wrote it (the timm interface's forward_features
+    cut) uses this view instead of rewriting the model.
+    """
+    if not has_segments(gm):
+        return gm
+    return fx.GraphModule(gm, _inlined_graph(gm), type(gm).__name__)
+
+
+def _inlined_graph(gm: fx.GraphModule) -> fx.Graph:
+    """``gm``'s graph with every segment call replaced by the segment's body."""
+    segments = [node for node in gm.graph.nodes if _is_segment_call(gm, node)]
     graph = _empty_like(gm.graph)
     env: dict[fx.Node, fx.Node] = {}
     skip = {a for node in segments for a in node.args if _is_segment_attribute(a)}
@@ -158,10 +179,7 @@ def inline_segments(gm: fx.GraphModule) -> fx.GraphModule:
         for user in node.users:
             if user.op == "call_function" and user.target is operator.getitem:
                 env[user] = outputs[user.args[1]]
-    _install(gm, graph)
-    for name in [node.target for node in segments]:
-        delattr(gm, name)
-    return gm
+    return graph
 
 
 def has_segments(gm: fx.GraphModule) -> bool:

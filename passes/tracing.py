@@ -24,6 +24,7 @@ from torch import nn
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import TraceError
 from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.properties import SHAPES
 
 TRACE_THROUGH: tuple[type[nn.Module], ...] = (
     nn.Conv1d,
@@ -68,6 +69,10 @@ class ResidualTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
+TRACE = PassSpec("trace", preserves_computation=True, modifies_graph=True)
+"""The graph's creation (not a rewrite of a graph): declared so that pipelines name and order it."""
+
+
 def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
     """Symbolically trace ``model``; on failure say which code FX choked on and what to do."""
     tracer = ResidualTracer(extra_leaves)
@@ -109,7 +114,7 @@ def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, str]
 
 
 ANNOTATE_SHAPES = PassSpec(
-    "annotate_shapes", preserves_computation=True, modifies_graph=False, ensures=frozenset({"shapes"})
+    "annotate_shapes", preserves_computation=True, modifies_graph=False, ensures=frozenset({SHAPES})
 )
 
 

@@ -265,7 +265,7 @@ def test_retarget_needs_a_converted_model(digits) -> None:
 
 # --- retargeting the basis: when knots can serve another basis ----------------------------------------
 #
-# Rule (odeify.compiler.conversion._change_knots): a stage may switch basis with its knots as they
+# Rule (odeify.passes.manifest): a stage may switch basis with its knots as they
 # are only when it has one knot per block. Those knots are the blocks' weights, which every basis
 # interpolates, so native Euler stays exact. Knots compressed by least squares (or refined) under
 # one basis are values of that basis's weight path; reading them with another basis would silently

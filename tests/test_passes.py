@@ -24,7 +24,9 @@ import odeify.passes as passes
 from odeify.compiler.analysis import analyze_graph
 from odeify.passes.contract import PassContractError, PassSpec, graph_pass, graph_properties
 from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm
+from odeify.passes.head import head_nodes
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
+from odeify.passes.properties import BLOCKS, BN_FOLDED, LOWERED, RUNS, SEGMENTS, SHAPES, STAGE_CALLS
 from odeify.passes.residual_blocks import find_blocks
 from odeify.passes.segments import checkpoint_segments, has_segments, inline_segments
 from odeify.passes.tracing import annotate_shapes, trace
@@ -69,6 +71,12 @@ def _apply_lift(model: nn.Module, cache: dict) -> Applied:
     yield "converted", converted
 
 
+def _apply_mark_head(model: nn.Module, cache: dict) -> Applied:
+    converted = _converted(model, cache)  # the convert pipeline marks the head before lowering
+    assert head_nodes(converted)  # (resnetv2's classifier is a 1x1 conv: it stays as traced)
+    yield "head marked", converted
+
+
 def _apply_raise(model: nn.Module, cache: dict) -> Applied:
     raised = raise_stages(copy.deepcopy(_converted(model, cache)))
     assert stage_nodes(raised)  # one call per stage, run through ODEStage.forward
@@ -96,6 +104,7 @@ def _apply_inline_segments(model: nn.Module, cache: dict) -> Applied:
 REGISTRY: dict[str, Apply] = {
     "fold_batchnorm": _apply_fold_bn,
     "lift_runs": _apply_lift,
+    "mark_head": _apply_mark_head,
     "raise_stages": _apply_raise,
     "lower_stages": _apply_lower,
     "checkpoint_segments": _apply_checkpoint_segments,
@@ -181,7 +190,7 @@ def test_missing_requirement_is_refused() -> None:
         find_blocks(gm)
     assert "annotate_shapes" in str(info.value)  # says which pass ensures it
     annotate_shapes(gm, (1, 3, 8, 8))
-    assert graph_properties(gm) == {"shapes"}
+    assert graph_properties(gm) == {SHAPES}
     assert find_blocks(gm) == []
 
 
@@ -190,9 +199,9 @@ def test_properties_follow_the_pipeline(test_model) -> None:
     gm = trace(test_model("resnet18"))
     annotate_shapes(gm, (1, 3, 32, 32))
     analyze_graph(gm, "resnet18", (1, 3, 32, 32))
-    assert graph_properties(gm) == {"shapes", "blocks", "runs"}
+    assert graph_properties(gm) == {SHAPES, BLOCKS, RUNS}
     fold_batchnorm(gm)
-    assert graph_properties(gm) == {"shapes", "bn_folded"}
+    assert graph_properties(gm) == {SHAPES, BN_FOLDED}
     copied = copy.deepcopy(gm)  # the record travels with the module
     assert graph_properties(copied) == graph_properties(gm)
 
@@ -244,7 +253,53 @@ def test_an_analysis_cannot_declare_it_changes_output() -> None:
     with pytest.raises(ValueError, match="analysis pass"):
         PassSpec("bad", preserves_computation=False, modifies_graph=False)
     with pytest.raises(ValueError, match="analysis pass"):
-        PassSpec("bad", preserves_computation=True, modifies_graph=False, invalidates=frozenset({"runs"}))
+        PassSpec("bad", preserves_computation=True, modifies_graph=False, invalidates=frozenset({RUNS}))
+
+
+def test_a_declaration_names_only_registered_properties() -> None:
+    with pytest.raises(ValueError, match="names .shapes., which is not in odeify.passes.properties"):
+        PassSpec("bad", preserves_computation=True, modifies_graph=True, requires=frozenset({"shapes"}))
+
+
+@graph_pass(PassSpec("scales_in_place", preserves_computation=True, modifies_graph=False))
+def _analysis_that_scales_a_weight(gm: fx.GraphModule) -> None:
+    with torch.no_grad():
+        gm.conv.weight.mul_(1.0)  # same values, but an in-place write: the version counter moves
+
+
+def test_an_analysis_that_writes_a_tensor_in_place_is_refused() -> None:
+    with pytest.raises(PassContractError, match="scales_in_place.*changed"):
+        _analysis_that_scales_a_weight(_traced())
+
+
+_CLAIMS_SHAPES = PassSpec(
+    "claims_shapes", preserves_computation=True, modifies_graph=False, ensures=frozenset({SHAPES})
+)
+
+
+@graph_pass(_CLAIMS_SHAPES)
+def _claims_shapes_without_annotating(gm: fx.GraphModule) -> None:
+    pass
+
+
+def test_an_ensured_property_that_does_not_hold_is_refused() -> None:
+    gm = _traced()
+    with pytest.raises(PassContractError, match="claims_shapes.*ensures shapes"):
+        _claims_shapes_without_annotating(gm)
+    assert SHAPES not in graph_properties(gm)
+
+
+def test_forbidden_and_required_properties(test_model) -> None:
+    """raise_stages needs a lowered graph without segments; the pipelines inline segments first."""
+    gm = odeify.convert(test_model("resnet18"), input_size=(1, 3, 32, 32))
+    assert LOWERED in graph_properties(gm) and SEGMENTS not in graph_properties(gm)
+    checkpoint_segments(gm)
+    with pytest.raises(PassContractError, match="raise_stages.*forbids segments"):
+        raise_stages(gm)
+    raise_stages(inline_segments(gm))
+    assert STAGE_CALLS in graph_properties(gm) and LOWERED not in graph_properties(gm)
+    with pytest.raises(PassContractError, match="raise_stages.*requires lowered"):
+        raise_stages(gm)
 
 
 # --- lift: per-block pass-through modules ------------------------------------------------------------

@@ -19,7 +19,7 @@ from importlib import metadata
 from odeify import __version__
 from odeify.cli.console import console_on
 from odeify.core.errors import ConfigError, OdeifyError
-from odeify.ir.settings import BACKWARD_MODES, validate_backward
+from odeify.ir.settings import BACKWARD_MODES, parse_steps, validate_backward
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.numerics.bases import BASES
 from odeify.numerics.tableaus import TABLEAUS, ReversibleHeun, resolve_integrator
@@ -502,21 +502,11 @@ def _ema_decay(text: str) -> float:
 
 
 def _steps(text: str) -> str | int:
-    """'native', a positive int, or 'x' and a positive multiplier (kept as the string 'x2')."""
-    if text == "native":
-        return text
-    if text.startswith("x"):
-        try:
-            factor = float(text[1:])
-        except ValueError:
-            factor = 0.0
-        if factor > 0 and math.isfinite(factor):
-            return text
-    elif text.isdigit() and int(text) > 0:
-        return int(text)
-    raise argparse.ArgumentTypeError(
-        f"expected native, a positive integer or x<multiplier> (x2, x0.5); got {text!r}"
-    )
+    """'native', a positive int, or 'x' and a positive multiplier (ir.settings.parse_steps's grammar)."""
+    try:
+        return parse_steps(int(text) if text.isdigit() else text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _knots(text: str) -> str | int:

@@ -10,11 +10,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.core.errors import ConfigError, NoResidualBlocksError, OdeifyError
+from odeify.compiler.pipeline import Job
+from odeify.compiler.pipelines import ANALYZE, ANALYZE_GRAPH, TRACE_SHAPES
+from odeify.core.errors import ConfigError, OdeifyError
 from odeify.ir.plan import Plan
-from odeify.passes.residual_blocks import find_blocks
-from odeify.passes.runs import group_runs
-from odeify.passes.tracing import annotate_shapes, trace
 
 
 def resolve_model(source: str | os.PathLike | nn.Module, **load_kwargs) -> tuple[nn.Module, str]:
@@ -62,31 +61,14 @@ def validate_leaf_modules(leaf_modules: object) -> None:
 def trace_and_annotate(
     model: nn.Module, input_shape: Sequence[int], leaf_modules: Sequence[type[nn.Module]] = ()
 ) -> fx.GraphModule:
-    """The traced graph module of ``model``, each node annotated with its shape."""
-    gm = trace(model, leaf_modules)
-    annotate_shapes(gm, input_shape)
-    return gm
+    """The traced graph module of ``model``, each node annotated with its shape (TRACE_SHAPES)."""
+    job = Job(source=model, input_shape=tuple(input_shape), leaf_modules=leaf_modules)
+    return TRACE_SHAPES.run(job).gm
 
 
 def analyze_graph(gm: fx.GraphModule, name: str, input_shape: Sequence[int]) -> Plan:
-    """Blocks and runs of an already traced and annotated graph module."""
-    blocks = find_blocks(gm)
-    runs, discrete = group_runs(gm, blocks)
-    if not runs:
-        found = f"{len(blocks)} projection blocks but no identity block" if blocks else "no residual add"
-        raise NoResidualBlocksError(
-            f"{name} has no residual block odeify can turn into an ODE stage: the graph has {found}. "
-            "odeify needs identity blocks of the form x + f(x) (optionally followed by an activation) "
-            "with equal input and output shapes, like the blocks of timm's ResNet family. Plain "
-            "feed-forward nets (VGG, nn.Sequential stacks) have no such blocks."
-        )
-    return Plan(
-        model=name,
-        input_shape=tuple(input_shape),
-        blocks=tuple(blocks),
-        runs=tuple(runs),
-        discrete=tuple(discrete),
-    )
+    """Blocks and runs of an already traced and annotated graph module (ANALYZE_GRAPH)."""
+    return ANALYZE_GRAPH.run(Job(gm=gm, name=name, input_shape=tuple(input_shape))).plan
 
 
 def analyze(
@@ -103,6 +85,6 @@ def analyze(
     validate_leaf_modules(leaf_modules)
     module, name = resolve_model(model, **load_kwargs)
     shape = input_shape_for(module, input_size)
+    job = Job(source=module, name=name, input_shape=shape, leaf_modules=leaf_modules)
     with torch.no_grad():
-        gm = trace_and_annotate(module, shape, leaf_modules)
-    return analyze_graph(gm, name, shape)
+        return ANALYZE.run(job).plan

@@ -17,13 +17,23 @@ from odeify.core.errors import ModelLoadError
 from odeify.ir.plan import Plan
 from odeify.models.archs import arch_spec
 from odeify.models.timm_interface import ConvertedModel, adopt
+from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.properties import STAGE_CALLS
 from odeify.runtime.stage import ODEStage
 
-__all__ = ["META", "record_conversion"]
+__all__ = ["META", "RECORD_CONVERSION", "record_conversion"]
 
 META = "odeify"  # GraphModule.meta key of the conversion record
 
+RECORD_CONVERSION = PassSpec(
+    "record_conversion",
+    preserves_computation=True,
+    modifies_graph=False,  # writes gm.meta and makes gm a ConvertedModel; the graph stays as it is
+    requires=frozenset({STAGE_CALLS}),
+)
 
+
+@graph_pass(RECORD_CONVERSION)
 def record_conversion(
     gm: fx.GraphModule, source: nn.Module, plan: Plan, skipped: Mapping[str, str]
 ) -> ConvertedModel:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from odeify.codegen.emit import unrolled_graph
-from odeify.compiler.conversion import _check_converted, converted_stages
+from odeify.compiler.conversion import check_converted, converted_stages
 from odeify.passes.segments import Segment
 
 __all__ = ["model_code"]
@@ -20,7 +20,7 @@ __all__ = ["model_code"]
 
 def model_code(model: fx.GraphModule) -> str:
     """The converted model's Python code, then the integrator code of each stage it calls as a module."""
-    _check_converted(model, "model_code")
+    check_converted(model, "model_code")
     parts = [f"# {type(model).__name__}: the converted model's forward\n{model.code.strip()}\n"]
     for stage in converted_stages(model):
         if stage.inlined:

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 META_KEY = "odeify"
 
-Role = Literal["fork", "branch", "join", "output", "stage", "segment", "segment_attribute"]
+Role = Literal["branch", "join", "output", "stage", "segment", "segment_attribute"]
 
 
 @dataclass(frozen=True)
@@ -28,16 +28,18 @@ class NodeTag:
     """What odeify knows about one node. Unset fields are None.
 
     ``block``: index of the residual block the node belongs to (analysis). ``role``: the node's part
-    in it (``fork``, ``branch``, ``join``), or ``stage`` for the call of an ODE stage, ``segment``
+    in it (``branch``, ``join``, ``output``), or ``stage`` for the call of an ODE stage, ``segment``
     for the call of a recomputed segment and ``segment_attribute`` for a weight read inside one.
     ``run``: the run of blocks that becomes a stage (analysis). ``stage``: the stage whose
-    computation the node is part of (code generation).
+    computation the node is part of (code generation). ``head``: the node computes timm's
+    ``forward_head`` (``passes.head.mark_head``), so ``forward_features`` can cut the graph there.
     """
 
     block: int | None = None
     role: Role | None = None
     run: str | None = None
     stage: str | None = None
+    head: bool | None = None
 
 
 def node_tag(node: fx.Node) -> NodeTag:

@@ -6,6 +6,11 @@ to use instead, where the value enters (``ODEStage.configure``, ``convert``, the
 
 from __future__ import annotations
 
+import math
+import numbers
+import re
+from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 from odeify.core.errors import ConfigError
@@ -13,7 +18,12 @@ from odeify.numerics.tableaus import Integrator, ReversibleHeun
 
 __all__ = [
     "BACKWARD_MODES",
+    "DEFAULTS",
     "BackwardMode",
+    "StageSettings",
+    "StepsSpec",
+    "parse_steps",
+    "resolve_steps",
     "validate_backward",
     "validate_checkpoint_every",
     "validate_steps",
@@ -56,3 +66,76 @@ def validate_backward(mode: object, integrator: Integrator) -> BackwardMode:
             "integrator='reversible_heun' is inverted exactly instead: use backward='reversible'."
         )
     return mode  # type: ignore[return-value]
+
+
+# -- the manifestation a pipeline applies ------------------------------------------------------------
+DEFAULTS: dict[str, str] = {
+    "integrator": "euler",
+    "steps": "native",
+    "basis": "constant",
+    "knots": "native",
+    "backward": "backprop",
+}
+"""convert's defaults, which reproduce the source network: read by the API and the command line."""
+
+StepsSpec = int | str
+"""A stage's steps as the user writes them: an int, ``"native"`` (one per block) or ``"x<m>"``."""
+
+_DECIMAL = re.compile(r"\d+(\.\d*)?|\.\d+")
+
+
+def parse_steps(spec: object, stage: str | None = None) -> StepsSpec:
+    """Check the steps grammar, the same in Python and on the command line; returns the spec.
+
+    ``4`` is 4 steps (the command line reads ``4`` as an int first), ``"native"`` one step per block, ``"x2"``
+    twice the run's block count (plain decimals only: ``x1e3`` is refused rather than read). A float
+    is refused rather than guessed at: 2.0 steps, or a 2x multiplier?
+    """
+    label = f"stage '{stage}'" if stage else "a stage"
+    if spec == "native":
+        return "native"
+    if isinstance(spec, str) and spec.startswith("x"):
+        # plain decimals only: Fraction("1e999999999") would build a billion-digit integer
+        if _DECIMAL.fullmatch(spec[1:]) and len(spec) <= 16 and Fraction(spec[1:]) > 0:
+            return spec
+        raise ConfigError(
+            f"a steps multiplier is 'x' and a positive number, e.g. 'x2' or 'x0.5'; got {spec!r}."
+        )
+    if isinstance(spec, float):
+        hint = max(1, round(spec)) if math.isfinite(spec) else 4
+        raise ConfigError(
+            f"steps for {label} is the float {spec!r}: pass an integer number of steps (e.g. {hint}) or "
+            f"a depth multiplier as a string (e.g. 'x{spec:g}')."
+        )
+    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool):
+        return _positive_int(int(spec), f"steps for {label}", "or 'native' for the original depth")
+    raise ConfigError(
+        f"steps for {label} must be a positive integer, 'native' or a depth multiplier such as 'x2'; "
+        f"got {spec!r}."
+    )
+
+
+def resolve_steps(spec: StepsSpec, depth: int, stage: str) -> int:
+    """The step count ``spec`` asks of a stage of ``depth`` blocks: 'x<m>' is round(m * depth), >= 1."""
+    spec = parse_steps(spec, stage)
+    if spec == "native":
+        return depth
+    if isinstance(spec, str):
+        return max(1, round(Fraction(spec[1:]) * depth))
+    return spec
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """What a pipeline sets on one stage; None keeps the stage's current value.
+
+    ``knots`` is a count or ``"native"`` (one per block); ``steps`` a :data:`StepsSpec`, resolved
+    against the stage's depth when applied; ``integrator`` a name or a tableau.
+    """
+
+    knots: int | str | None = None
+    basis: str | None = None
+    integrator: object | None = None
+    steps: StepsSpec | None = None
+    backward: str | None = None
+    checkpoint_every: int | None = None

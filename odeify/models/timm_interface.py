@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,13 +28,12 @@ from timm.models._manipulate import group_with_matcher
 from torch import nn
 
 from odeify.core.errors import OdeifyError
-from odeify.passes.segments import has_segments, inline_segments
-from odeify.passes.tracing import trace
+from odeify.passes.head import head_input, head_nodes
+from odeify.passes.segments import without_segments
 
-__all__ = ["HEAD_MARK", "META_TIMM", "ConvertedModel", "adopt", "default_input_size"]
+__all__ = ["META_TIMM", "ConvertedModel", "adopt", "default_input_size"]
 
 META_TIMM = "odeify_timm"  # GraphModule.meta key of the source model's timm interface (plain data)
-HEAD_MARK = "odeify_head"  # fx node meta key: the node belongs to timm's forward_head
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its code, its sub-graph views)
 
 
@@ -205,24 +204,12 @@ class ConvertedModel(fx.GraphModule):
 # Making one at convert time
 
 
-class _Head(nn.Module):
-    """``source.forward_head`` as a module's forward, to trace it on its own."""
-
-    def __init__(self, source: nn.Module, pre_logits: bool) -> None:
-        super().__init__()
-        self.source = source
-        self.pre_logits = pre_logits
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.source.forward_head(x, pre_logits=self.pre_logits)
-
-
 def adopt(gm: fx.GraphModule, source: nn.Module, stage_blocks: Mapping[str, list[str]]) -> ConvertedModel:
     """Make ``gm`` (a converted graph of ``source``) a ConvertedModel in place, recording timm's interface.
 
-    ``stage_blocks`` maps each ODEStage attribute to the source block names of its run. Call it before
-    lowering, while the head is still as traced. The head's nodes are marked so that forward_features
-    and forward_head find the cut after any retarget, and the classifier becomes one real module call.
+    ``stage_blocks`` maps each ODEStage attribute to the source block names of its run. Where the
+    head starts is marked by the ``mark_head`` pass (``odeify.passes.head``), which the convert
+    pipeline runs next; its result goes in ``record["classifier_is_call"]``.
     """
     cfg = getattr(source, "pretrained_cfg", None) or getattr(source, "default_cfg", None) or {}
     record: dict[str, Any] = {
@@ -242,9 +229,6 @@ def adopt(gm: fx.GraphModule, source: nn.Module, stage_blocks: Mapping[str, list
     impl.__name__ = type(gm).__name__
     gm.__class__ = impl
     gm.meta[META_TIMM] = record
-    if record["classifier"] and hasattr(source, "forward_head"):
-        record["classifier_is_call"] = _mark_head(gm, source, record["classifier"])
-    gm.recompile()
     return gm  # type: ignore[return-value]
 
 
@@ -268,107 +252,20 @@ def _matchers(source: nn.Module) -> dict[str, Any] | None:
     return found if all(isinstance(m, Mapping) for m in found.values()) else None
 
 
-def _op(node: fx.Node, prefix: str = "") -> tuple[str, str]:
-    target = (
-        node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    )
-    return node.op, target.removeprefix(prefix) if node.op in ("call_module", "get_attr") else target
-
-
-def _compute_nodes(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-
-
-def _mark_head(gm: fx.GraphModule, source: nn.Module, classifier: str) -> bool:
-    """Mark the graph's tail that is ``source.forward_head``; make its classifier one module call.
-
-    Returns whether the classifier is now a single ``call_module`` (so reset_classifier can swap it).
-    The head is found by tracing ``forward_head`` alone and matching its ops against the graph's tail;
-    when they differ, nothing is marked and forward_features/forward_head say so when called.
-    """
-    training = source.training
-    try:  # in eval mode, as the model itself was traced
-        head = _compute_nodes(trace(_Head(source.eval(), False)).graph)
-        pre = _compute_nodes(trace(_Head(source, True)).graph)
-    except Exception:  # a head fx cannot trace alone: no split, the rest of the interface stays
-        return False
-    finally:
-        source.train(training)
-    body = _compute_nodes(gm.graph)
-    tail = body[-len(head) :] if head else []
-    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-    if (
-        not head
-        or [_op(n, "source.") for n in head] != [_op(n) for n in tail]
-        or output.args[0] is not tail[-1]
-    ):
-        return False
-    for node in tail:
-        node.meta[HEAD_MARK] = True
-    is_prefix = [_op(n, "source.") for n in pre] == [_op(n) for n in tail[: len(pre)]]
-    original = source.get_submodule(classifier)
-    ops = tail[len(pre) :]
-    linear = (
-        is_prefix
-        and isinstance(original, nn.Linear)
-        and [_op(n)[0] for n in ops]
-        in (["get_attr", "get_attr", "call_function"], ["get_attr", "call_function"])
-        and all(n.target.startswith(f"{classifier}.") for n in ops if n.op == "get_attr")
-        and getattr(ops[-1].target, "__name__", "") == "linear"
-    )
-    identity = is_prefix and not ops and isinstance(original, nn.Identity)
-    if not (linear or identity):
-        return False
-    features = pre[-1] if pre else None
-    pre_value = tail[len(pre) - 1] if features is not None else _head_input(tail)
-    with gm.graph.inserting_after(tail[-1]):
-        call = gm.graph.call_module(classifier, (pre_value,))
-    call.meta[HEAD_MARK] = True
-    call.meta["tensor_meta"] = tail[-1].meta.get("tensor_meta")
-    tail[-1].replace_all_uses_with(call)
-    holder = gm.get_submodule(classifier) if linear else None
-    for node in reversed(ops):
-        gm.graph.erase_node(node)
-    module = copy.deepcopy(original)
-    if holder is not None:  # the converted model's own parameters, under the same names
-        module.weight = holder.weight
-        module.bias = getattr(holder, "bias", None)
-    gm.set_submodule(classifier, module)
-    gm.graph.lint()
-    return True
-
-
-def _head_input(head_nodes: Iterable[fx.Node]) -> fx.Node:
-    """The one node outside ``head_nodes`` (not a parameter) that they read: the features."""
-    inside = set(head_nodes)
-    found = {a for n in inside for a in n.all_input_nodes if a not in inside and a.op != "get_attr"}
-    if len(found) != 1:
-        raise OdeifyError(
-            f"forward_features/forward_head: the head reads {len(found)} values of the graph, not one; "
-            "this model's features cannot be cut out. Use model(x) (or convert the source with "
-            "forward_features as its forward)."
-        )
-    return found.pop()
-
-
 def _head_views(model: ConvertedModel) -> dict[str, fx.GraphModule]:
     """Sub-GraphModules of ``model``: features (input -> head input), head, and head up to pre-logits.
 
     A model whose parts between stages are checkpointed segments (a whole-model backward mode) is
     cut in its inlined graph: the views compute the same values, without the segments' recompute.
     """
-    gm: fx.GraphModule = model
-    if has_segments(model):
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(model.graph, {}))
-        gm = inline_segments(fx.GraphModule(model, graph))  # shares the model's modules
-    head = [n for n in gm.graph.nodes if n.meta.get(HEAD_MARK)]
+    gm = without_segments(model)  # shares the model's modules
+    head = head_nodes(gm)
     if not head:
         raise OdeifyError(
             "forward_features/forward_head: odeify could not find where this model's forward_head starts "
             "(its head traced alone differs from the end of the model's graph). Use model(x)."
         )
-    features = _head_input(head)
+    features = head_input(head)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     last = output.args[0]
     calls = [n for n in head if n.op == "call_module" and n.target == model._timm.get("classifier")]

@@ -23,14 +23,15 @@ import torch.fx as fx
 from safetensors import safe_open
 from torch import nn
 
-from odeify.compiler.conversion import _change_knots, convert
+from odeify.compiler.conversion import guard_input_dtype
+from odeify.compiler.pipeline import Job
+from odeify.compiler.pipelines import CONVERT
 from odeify.compiler.record import META
 from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.core.fileio import atomic_write_bytes
+from odeify.ir.settings import StageSettings
 from odeify.models.archs import build_arch
 from odeify.models.timm_interface import ConvertedModel
-from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
-from odeify.passes.segments import checkpoint_segments
 from odeify.serialization.recipe import DTYPES, Recipe, integrator_of, parse_recipe, recipe_of
 
 __all__ = ["RECIPE_KEY", "load", "save"]
@@ -212,24 +213,37 @@ def _rebuild(
 def _convert_as_recorded(
     source: nn.Module, recipe: Recipe, path: Path, leaf_modules: Sequence[type[nn.Module]]
 ) -> ConvertedModel:
-    gm = raise_stages(convert(source.eval(), input_size=recipe.input_shape, leaf_modules=leaf_modules))
-    stages = {stage.stage_name: stage for _, stage in stage_nodes(gm)}
-    for entry in recipe.stages:
-        stage = stages.get(entry.name)
-        if stage is None:
+    """The convert pipeline, with the recipe's manifestation for each stage."""
+
+    def settings_for(names: list[str]) -> dict[str, StageSettings]:
+        missing = [entry.name for entry in recipe.stages if entry.name not in names]
+        if missing:
             raise ModelLoadError(
-                f"{path} has a stage {entry.name!r} that the rebuilt model lacks (it has "
-                f"{', '.join(stages)}); was it saved from another architecture, or is model= another one?"
+                f"{path} has a stage {missing[0]!r} that the rebuilt model lacks (it has "
+                f"{', '.join(names)}); was it saved from another architecture, or is model= another one?"
             )
-        _change_knots(stage, entry.knots, entry.basis)
-        stage.configure(
-            integrator=integrator_of(entry.integrator),
-            steps=entry.steps,
-            backward=entry.backward,
-            checkpoint_every=entry.checkpoint_every,
-        )
-    gm = lower_stages(gm)
-    return checkpoint_segments(gm) if recipe.whole_model else gm
+        return {
+            entry.name: StageSettings(
+                knots=entry.knots,
+                basis=entry.basis,
+                integrator=integrator_of(entry.integrator),
+                steps=entry.steps,
+                backward=entry.backward,
+                checkpoint_every=entry.checkpoint_every,
+            )
+            for entry in recipe.stages
+        }
+
+    job = Job(
+        source=source.eval(),
+        name=type(source).__name__,
+        input_shape=recipe.input_shape,
+        leaf_modules=leaf_modules,
+        settings_for=settings_for,
+        whole_model=recipe.whole_model,
+    )
+    with torch.no_grad():
+        return guard_input_dtype(CONVERT.run(job).gm)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,149 @@
+"""Give a converted model's stages a manifestation: knots and basis, integrator, steps, backward mode.
+
+:func:`set_manifestation` is the one place a stage's settings change, for ``convert`` (from the
+native stages ``lift`` made), ``retarget``, ``set_backward`` and ``load`` (from a file's recipe)
+alike. It works on the stage-call form of the graph (``lower.raise_stages`` gives it), checks every
+request and budget before it changes anything, then refits the knots and configures each stage.
+
+Knots: fewer than the current count compresses by least squares (fit with the new basis), more
+refines by evaluating the current weight path at the new knots; the same count keeps them. A new
+basis may read the current knots as they are only when they are one per block (the blocks' own
+weights, which every basis interpolates): compressed or refined knots are values of their basis's
+weight path, and reading them with another basis would silently swap the path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from odeify.core.budget import check_fit_work, check_knot_bytes
+from odeify.core.errors import ConfigError
+from odeify.ir.settings import StageSettings, resolve_steps, validate_backward
+from odeify.ir.stage_ir import StageIR
+from odeify.numerics.bases import fit_matrix, get_basis, validate_knots
+from odeify.numerics.tableaus import resolve_integrator
+from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.properties import SEGMENTS, STAGE_CALLS
+
+__all__ = ["SET_MANIFESTATION", "check_manifestation", "refit", "set_manifestation"]
+
+SET_MANIFESTATION = PassSpec(
+    "set_manifestation",
+    preserves_computation=False,  # the point: another integrator, depth or weight path
+    modifies_graph=True,
+    requires=frozenset({STAGE_CALLS}),
+    forbids=frozenset({SEGMENTS}),
+)
+
+
+@graph_pass(SET_MANIFESTATION)
+def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageSettings]) -> None:
+    """Apply ``settings`` ({stage name: StageSettings}) to the stages of ``gm``, in place.
+
+    Every request is validated, and every knot budget checked, before any stage changes: a refused
+    call changes nothing.
+    """
+    stages = _stages_of(gm)
+    counts = check_manifestation(gm, settings)
+    for name, request in settings.items():
+        stage = stages[name]
+        if request.knots is not None or request.basis is not None:
+            _change_knots(stage, counts[name], request.basis)
+        stage.configure(
+            integrator=request.integrator,
+            steps=None if request.steps is None else resolve_steps(request.steps, stage.depth, name),
+            backward=request.backward,
+            checkpoint_every=request.checkpoint_every,
+        )
+
+
+def check_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageSettings]) -> dict[str, int]:
+    """Validate ``settings`` against the stages of ``gm`` (either form) without changing anything.
+
+    Returns each named stage's knot count after the change. For a caller that changes a model in
+    place and must refuse before the pipeline starts.
+    """
+    stages = _stages_of(gm)
+    unknown = sorted(set(settings) - set(stages))
+    if unknown:
+        raise ConfigError(
+            f"settings name stage(s) {', '.join(map(repr, unknown))} that this model does not have; "
+            f"its stages are: {', '.join(stages)}."
+        )
+    return {name: _validated(stages[name], request) for name, request in settings.items()}
+
+
+def refit(stack: torch.Tensor, basis: str, count: int, depth: int) -> torch.Tensor:
+    """``count`` knots from ``depth`` samples of a weight path (exact copy when equal), in float64."""
+    if count == depth:
+        return stack.detach().clone()
+    matrix = torch.tensor(
+        [[float(c) for c in row] for row in fit_matrix(basis, count, depth)], dtype=torch.float64
+    )
+    return torch.tensordot(matrix, stack.detach().to(torch.float64), dims=1).to(stack.dtype)
+
+
+def _stages_of(gm: fx.GraphModule) -> dict[str, StageIR]:
+    """The stage modules of ``gm`` by stage name, called or inlined."""
+    return {m.stage_name: m for m in gm.children() if isinstance(m, StageIR)}
+
+
+def _validated(stage: StageIR, request: StageSettings) -> int:
+    """Check ``request`` against ``stage`` without changing it; returns the knot count it asks for."""
+    basis = request.basis if request.basis is not None else stage.basis
+    get_basis(basis)
+    integrator = (
+        resolve_integrator(request.integrator) if request.integrator is not None else stage.integrator
+    )
+    if request.steps is not None:
+        resolve_steps(request.steps, stage.depth, stage.stage_name)
+    validate_backward(request.backward if request.backward is not None else stage.backward, integrator)
+    if request.knots is None:
+        count = stage.num_knots
+    elif request.knots == "native":
+        count = stage.depth
+    else:
+        count = validate_knots(request.knots, stage.depth, basis)
+    if count != stage.num_knots:
+        per_knot = sum(t.numel() // max(1, t.shape[0]) * t.element_size() for t in stage.knot_tensors())
+        check_knot_bytes(stage.stage_name, count, per_knot)
+        check_fit_work(stage.stage_name, count, stage.num_knots, basis)
+    _check_basis_switch(stage, get_basis(basis).name, count)
+    return count
+
+
+def _check_basis_switch(stage: StageIR, new_basis: str, count: int) -> None:
+    old_basis, old_count = stage.basis, stage.num_knots
+    if new_basis == old_basis or count != old_count or old_count == stage.depth:
+        return
+    how = "compressed by least squares" if old_count < stage.depth else "refined"
+    raise ConfigError(
+        f"stage '{stage.stage_name}' has {old_count} knots for its {stage.depth} blocks, {how} under "
+        f"the '{old_basis}' basis; reading them with the '{new_basis}' basis would silently change its "
+        f"weight path (only one-knot-per-block stages can switch basis as they are). To fit "
+        f"{old_count} '{new_basis}' knots to the original blocks, convert the original model with "
+        f"basis='{new_basis}', knots={old_count}; to resample the current weight path, pass knots "
+        f"too, e.g. retarget(..., basis='{new_basis}', knots='native')."
+    )
+
+
+def _change_knots(stage: StageIR, count: int, basis: str | None) -> None:
+    """Refit every knot tensor of ``stage`` in place to ``count`` knots under ``basis``."""
+    old_basis, old_count = stage.basis, stage.num_knots
+    new_basis = get_basis(basis).name if basis is not None else old_basis
+    # compression fits with the new basis; refinement evaluates the current weight path
+    fit_basis = new_basis if count < old_count else old_basis
+    with torch.no_grad():
+        for slot in stage.slots:
+            if slot.kind == "shared":
+                continue
+            fitted = refit(stage.slot_tensor(slot).detach(), fit_basis, count, old_count)
+            if slot.kind == "param":
+                stage.knots[slot.name] = nn.Parameter(fitted)
+            else:
+                setattr(stage, f"{slot.kind}_{slot.name}", fitted)
+    stage.configure(basis=new_basis)
