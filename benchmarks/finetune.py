@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         for label, settings in MANIFESTATIONS.items():
             model = odeify.retarget(native, **settings)  # the teacher is the source network itself
             result = finetune(
-                model, data, CANDIDATES[recipe_label], seed=seed, teacher=native, progress=False, log=_quiet
+                model, data, CANDIDATES[recipe_label], seed=seed, teacher=native, progress=False
             )
             results[recipe_label, seed, label] = history = result.history
             print(f"{recipe_label} | seed {seed} | {label}: {_change(history)}", file=sys.stderr)
@@ -166,8 +166,6 @@ def _training_seed(path: Path) -> int | None:
     return json.loads(read_checkpoint_metadata(path).get(META_DIGITS, "{}")).get("train_seed")
 
 
-def _quiet(_: str) -> None:
-    pass
 
 
 def _after(history: list) -> str:

@@ -12,6 +12,7 @@ the default recipe, distilling from the converted model at native depth.
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import replace
 
 import odeify
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batches", type=int, help="stop each epoch after this many batches")
     parser.add_argument("--out", default="out/finetune_memory_free", help="checkpoint folder")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the run's epoch lines
 
     processes = start_processes()  # torchrun's environment, or one process
     try:

@@ -14,7 +14,6 @@ Leaf policy (which modules stay opaque ``call_module`` nodes):
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 
 import torch
@@ -233,8 +232,3 @@ def node_shape(node: fx.Node) -> tuple[int, ...] | None:
 
     meta = node.meta.get("tensor_meta")
     return tuple(meta.shape) if isinstance(meta, TensorMetadata) else None
-
-
-def suggest_names(name: str, candidates: Sequence[str], n: int = 5) -> list[str]:
-    """Close matches for a misspelled name, for error messages."""
-    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)

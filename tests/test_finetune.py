@@ -10,6 +10,7 @@ on their combined batch.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -17,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -65,8 +68,29 @@ def coarse(native: torch.nn.Module) -> torch.nn.Module:
     return odeify.retarget(native, steps=1, backward="checkpoint")
 
 
-def quiet(*_: object) -> None:
-    pass
+class _Calls(logging.Handler):
+    """Calls ``fn`` with every message the ``odeify`` logger emits."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.fn(record.getMessage())
+
+
+@contextmanager
+def on_log(fn) -> Iterator[None]:
+    """Within the block, ``fn(message)`` for every line the fine-tuning run logs."""
+    logger = logging.getLogger("odeify")
+    handler, level = _Calls(fn), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def accuracy(model: torch.nn.Module, dataset: TensorDataset) -> float:
@@ -119,23 +143,41 @@ def test_recipe_refuses_bad_settings(change: dict) -> None:
 
 def test_distills_from_the_source_network_by_default(native: torch.nn.Module, digits: LabelledData) -> None:
     lines: list[str] = []
-    finetune(
-        coarse(native), digits, replace(QUICK, epochs=1), max_batches=1, log=lines.append, progress=False
-    )
+    with on_log(lines.append):
+        finetune(coarse(native), digits, replace(QUICK, epochs=1), max_batches=1, progress=False)
     source = odeify.load_model(DEFAULT_MODEL_PATH)
     teacher = next(line for line in lines if line.startswith("distilling"))
     assert f"val accuracy {accuracy(source, digits.val):.2%}" in teacher  # native depth = the source
 
 
-def test_distillation_needs_the_models_classes(native: torch.nn.Module, digits: LabelledData) -> None:
-    three = replace(digits, num_classes=3)
-    with pytest.raises(odeify.ConfigError, match="predicts 10 classes but digits has 3"):
-        finetune(coarse(native), three, QUICK, log=quiet, progress=False)
+def test_other_classes_reset_the_classifier_and_train_on_labels(
+    native: torch.nn.Module, digits: LabelledData
+) -> None:
+    """Python users get what the command line does: a new head for the data's classes, no teacher."""
+    three = _three_classes(digits)
+    lines: list[str] = []
+    model = coarse(native)
+    with on_log(lines.append):
+        result = finetune(model, three, replace(QUICK, epochs=1), max_batches=1, progress=False)
+    assert result.model.num_classes == 3 and result.model(three.val.tensors[0][:2]).shape == (2, 3)
+    assert any("classifier was" in line and "without distillation" in line for line in lines)
+    assert not any(line.startswith("distilling") for line in lines)
+
+
+def _three_classes(digits: LabelledData) -> LabelledData:
+    """The digits 0, 1 and 2 only: a data set with other classes than the model's ten."""
+
+    def keep(split: TensorDataset) -> TensorDataset:
+        x, y = split.tensors
+        mask = y < 3
+        return TensorDataset(x[mask], y[mask])
+
+    return replace(digits, train=keep(digits.train), val=keep(digits.val), num_classes=3)
 
 
 def test_refine_at_must_leave_a_coarse_epoch(native: torch.nn.Module, digits: LabelledData) -> None:
     with pytest.raises(odeify.ConfigError, match="refine_at"):
-        finetune(coarse(native), digits, QUICK, refine_at=[1], log=quiet, progress=False)
+        finetune(coarse(native), digits, QUICK, refine_at=[1], progress=False)
 
 
 # -- training, checkpoints, resume -----------------------------------------------------------------
@@ -144,7 +186,7 @@ def test_finetune_trains_and_writes_loadable_checkpoints(
 ) -> None:
     start = coarse(native)
     before = {name: p.detach().clone() for name, p in start.named_parameters()}
-    result = finetune(start, digits, QUICK, out=tmp_path, max_batches=BATCHES, log=quiet, progress=False)
+    result = finetune(start, digits, QUICK, out=tmp_path, max_batches=BATCHES, progress=False)
     history = result.history
     assert [r.epoch for r in history] == [0, 1, 2]
     assert history[0].val_accuracy == pytest.approx(accuracy(coarse(native), digits.val))
@@ -197,7 +239,7 @@ def test_resume_after_a_crash_mid_epoch_matches_an_uninterrupted_run(
     crash_in: float,
 ) -> None:
     recipe = replace(QUICK, epochs=3, ema_decay=ema_decay)
-    common = {"refine_at": refine_at, "max_batches": BATCHES, "log": quiet, "progress": False}
+    common = {"refine_at": refine_at, "max_batches": BATCHES, "progress": False}
     whole = finetune(coarse(native), digits, recipe, out=tmp_path / "a", **common)
     limit = int(crash_in * (BATCHES + 1) * recipe.batch_size)  # an epoch reads the batch it stops at
     crashing = replace(digits, train=CrashAfter(digits.train, limit=limit))
@@ -222,16 +264,13 @@ def test_resume_refuses_other_settings(native: torch.nn.Module, digits: Labelled
         replace(QUICK, epochs=1),
         out=tmp_path,
         max_batches=1,
-        log=quiet,
         progress=False,
     )
     with pytest.raises(odeify.ConfigError, match="lr"):
         other = replace(QUICK, epochs=1, lr=0.5)
-        finetune(
-            coarse(native), digits, other, out=tmp_path, resume=True, max_batches=1, log=quiet, progress=False
-        )
+        finetune(coarse(native), digits, other, out=tmp_path, resume=True, max_batches=1, progress=False)
     with pytest.raises(odeify.ConfigError, match="does not exist"):
-        finetune(coarse(native), digits, QUICK, out=tmp_path / "none", resume=True, log=quiet, progress=False)
+        finetune(coarse(native), digits, QUICK, out=tmp_path / "none", resume=True, progress=False)
 
 
 def test_a_state_recorded_before_a_recipe_field_existed_resumes(
@@ -239,7 +278,7 @@ def test_a_state_recorded_before_a_recipe_field_existed_resumes(
 ) -> None:
     """A run saved by an odeify without ``ema_decay`` ran without an average: it resumes, as the same run."""
     recipe = replace(QUICK, epochs=2)
-    common = {"max_batches": BATCHES, "log": quiet, "progress": False}
+    common = {"max_batches": BATCHES, "progress": False}
     finetune(coarse(native), digits, recipe, out=tmp_path / "a", **common)
     limit = int(1.5 * (BATCHES + 1) * recipe.batch_size)  # a crash in epoch 2
     crashing = replace(digits, train=CrashAfter(digits.train, limit=limit))
@@ -269,7 +308,7 @@ def test_weight_average_follows_timms_warmed_up_ema_of_the_raw_weights(
     recipe = replace(QUICK, ema_decay=0.5)  # the warm-up's decay exceeds 0.5 from step 3: both regimes
     handle = register_optimizer_step_post_hook(snapshot)
     try:
-        result = finetune(model, digits, recipe, out=tmp_path, max_batches=BATCHES, log=quiet, progress=False)
+        result = finetune(model, digits, recipe, out=tmp_path, max_batches=BATCHES, progress=False)
     finally:
         handle.remove()
     assert len(trajectory) == recipe.epochs * BATCHES
@@ -302,9 +341,7 @@ def test_refine_at_refines_the_weight_average_too(
 ) -> None:
     model = coarse(native)
     recipe = replace(QUICK, ema_decay=0.9)
-    result = finetune(
-        model, digits, recipe, out=tmp_path, refine_at=[2], max_batches=BATCHES, log=quiet, progress=False
-    )
+    result = finetune(model, digits, recipe, out=tmp_path, refine_at=[2], max_batches=BATCHES, progress=False)
     shapes = {k: v.shape for k, v in result.model.state_dict().items()}
     assert result.history[-1].knots == {"layer1": 8, "layer2": 6}
     state = tensors(tmp_path / STATE_FILE)
@@ -329,10 +366,11 @@ def test_nonfinite_loss_stops_before_saving(
             with torch.no_grad():
                 model.fc.weight.fill_(math.nan)
 
-    with pytest.raises(TrainingDiverged, match=r"epoch 2, batch 1/3 \(optimizer step 4\): the loss is nan"):
-        finetune(
-            model, digits, QUICK, out=tmp_path, max_batches=BATCHES, log=poison_after_epoch_1, progress=False
-        )
+    with (
+        on_log(poison_after_epoch_1),
+        pytest.raises(TrainingDiverged, match=r"epoch 2, batch 1/3 \(optimizer step 4\): the loss is nan"),
+    ):
+        finetune(model, digits, QUICK, out=tmp_path, max_batches=BATCHES, progress=False)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == saved  # nothing overwritten
     assert all(torch.isfinite(t).all() for t in tensors(tmp_path / LAST_FILE).values())
 
@@ -349,7 +387,7 @@ def test_nonfinite_gradient_names_the_parameter_and_stage(
     with pytest.raises(
         TrainingDiverged, match=rf"the gradient of {re.escape(name)} \(stage 'layer2'\) is inf"
     ):
-        finetune(model, digits, QUICK, out=tmp_path, max_batches=BATCHES, log=quiet, progress=False)
+        finetune(model, digits, QUICK, out=tmp_path, max_batches=BATCHES, progress=False)
     assert not (tmp_path / LAST_FILE).exists()  # epoch 1 never completed; only the start's best file
     assert torch.isfinite(tensors(tmp_path / BEST_FILE)[name]).all()
 
@@ -369,9 +407,8 @@ def test_refine_at_keeps_optimizer_state_outside_the_knots(
 ) -> None:
     lines: list[str] = []
     model = coarse(native)
-    result = finetune(
-        model, digits, QUICK, refine_at=[2], max_batches=BATCHES, log=lines.append, progress=False
-    )
+    with on_log(lines.append):
+        result = finetune(model, digits, QUICK, refine_at=[2], max_batches=BATCHES, progress=False)
     assert [r.knots for r in result.history] == [{"layer1": 4, "layer2": 3}] * 2 + [
         {"layer1": 8, "layer2": 6}
     ]

@@ -21,7 +21,7 @@ from torch import nn
 import odeify
 from odeify.cli.console import console_on
 from odeify.core.dtypes import model_dtype
-from odeify.core.errors import ConfigError, OdeifyError
+from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes
 from odeify.models import DEFAULT_MODEL_PATH
 
@@ -108,16 +108,13 @@ def _convert_source(args: argparse.Namespace, **settings: Any) -> fx.GraphModule
 
 def _leaf_modules(model: nn.Module, names: list[str]) -> list[type[nn.Module]]:
     """The module classes ``--leaf`` names, looked up among the classes the model uses."""
-    import difflib
-
     classes = {}
     for module in model.modules():
         cls = type(module)
         classes[cls.__name__] = classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
     unknown = [n for n in names if n not in classes]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], list(classes), n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        hint = did_you_mean(unknown[0], classes)
         raise ConfigError(
             f"--leaf {unknown[0]}: the model has no module of that class.{hint} Name a class the model uses, "
             "as its class name (Bottleneck) or its full path (timm.models.resnet.Bottleneck)."
@@ -125,9 +122,10 @@ def _leaf_modules(model: nn.Module, names: list[str]) -> list[type[nn.Module]]:
     return [classes[n] for n in names]
 
 
-def _manifestation(args: argparse.Namespace) -> dict[str, Any]:
-    """The manifestation flags that were given (None means: keep)."""
-    return {k: getattr(args, k) for k in MANIFESTATION if getattr(args, k, None) is not None}
+def _manifestation(args: argparse.Namespace, without: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The manifestation flags that were given (None means: keep), except those ``without`` names."""
+    given = {k: getattr(args, k) for k in MANIFESTATION if getattr(args, k, None) is not None}
+    return {k: v for k, v in given.items() if k not in without}
 
 
 def _loaded(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
@@ -488,13 +486,18 @@ RECIPE_FLAGS = ("epochs", "lr", "weight_decay", "batch_size", "distill", "ema_de
 
 
 def run_finetune(args: argparse.Namespace) -> int:
-    """Build the model in its manifestation, then :func:`odeify.train.finetune.finetune` it."""
+    """Build the model in its manifestation, then :func:`odeify.train.finetune.finetune` it.
+
+    With ``--resume`` every setting not given takes the recorded run's value (``args`` itself is not
+    changed: the settings are a copy).
+    """
     from dataclasses import replace
 
     from odeify.train.datasets import open_data
     from odeify.train.finetune import (
         DEFAULT_RECIPE,
         finetune,
+        for_training,
         native_depth,
         read_run,
         start_processes,
@@ -504,113 +507,56 @@ def run_finetune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {args.out} is a file; name a folder for the run's checkpoints.")
-    if args.resume:
-        _fill_from_record(args, read_run(out))
-    elif (out / "train_state.safetensors").exists():
+    if not args.resume and (out / "train_state.safetensors").exists():
         raise ConfigError(
             f"{out} already holds a fine-tuning run. Continue it with --resume, or pass another --out folder."
         )
-    if args.data is None:
+    settings = _with_recorded(args, read_run(out)) if args.resume else argparse.Namespace(**vars(args))
+    if settings.data is None:
         raise ConfigError(
             "--data is required: 'digits' for the built-in set, or an ImageFolder DIR (train/, val/)."
         )
-    args.seed = 0 if args.seed is None else args.seed
-    args.refine_at = args.refine_at or []
-    if args.deterministic:
-        _deterministic()
-    given = {k: getattr(args, k) for k in RECIPE_FLAGS if getattr(args, k) is not None}
+    given = {k: getattr(settings, k) for k in RECIPE_FLAGS if getattr(settings, k) is not None}
     recipe = replace(DEFAULT_RECIPE, **given)
     processes = start_processes()
     try:
-        loaded, _ = _loaded(args)
-        settings = {**_manifestation(args), "backward": _finetuning_backward(loaded, args)}
-        model = odeify.retarget(loaded, **settings)
-        data = open_data(args.data, model)
-        teacher = None
-        if recipe.distill > 0 and _classes_differ(model, data.num_classes):
-            recipe = replace(recipe, distill=0.0)
-            _note("note: the data's classes differ from the model's: fine-tuning without distillation")
-        if recipe.distill > 0:
-            teacher = native_depth(loaded)
-        torch.manual_seed(args.seed)  # a new classifier's initial weights follow --seed
-        _match_classes(model, data.num_classes)
+        loaded, _ = _loaded(settings)
+        model = for_training(loaded, settings.backward, **_manifestation(settings, without=("backward",)))
         finetune(
             model,
-            data,
+            open_data(settings.data, model),
             recipe,
             out=out,
-            resume=args.resume,
-            refine_at=args.refine_at,
-            seed=args.seed,
-            max_batches=args.max_batches,
-            workers=args.workers,
+            resume=settings.resume,
+            refine_at=settings.refine_at or [],
+            seed=0 if settings.seed is None else settings.seed,
+            max_batches=settings.max_batches,
+            workers=settings.workers,
             processes=processes,
-            teacher=teacher,
-            run_info={"cli": {k: getattr(args, k) for k in RECORDED}},
+            teacher=native_depth(loaded) if recipe.distill > 0 else None,
+            run_info={"cli": {k: getattr(settings, k) for k in RECORDED}},
+            deterministic=settings.deterministic,
         )
     finally:
         stop_processes()
     return 0
 
 
-def _finetuning_backward(model: fx.GraphModule, args: argparse.Namespace) -> str | dict[str, str]:
-    """--backward; without it a memory-free mode per stage: the one it has (unless --integrator
-    changes the stage), else reversible for reversible Heun and checkpoint for any other integrator.
-
-    One mode for every stage comes back as a string: odeify's whole-model plan, which also
-    recomputes the parts between the stages in backward.
-    """
-    if args.backward is not None:
-        return args.backward
-    modes = {}
-    for stage in odeify.converted_stages(model):
-        integrator = args.integrator or stage.integrator.name
-        if stage.backward != "backprop" and args.integrator is None:
-            modes[stage.stage_name] = stage.backward
-        else:
-            modes[stage.stage_name] = "reversible" if integrator == "reversible_heun" else "checkpoint"
-    return modes.popitem()[1] if len(set(modes.values())) == 1 else modes
-
-
-def _classes_differ(model: fx.GraphModule, classes: int) -> bool:
-    have = getattr(model, "num_classes", None)
-    return have is not None and have != classes
-
-
-def _match_classes(model: fx.GraphModule, classes: int) -> None:
-    have = getattr(model, "num_classes", None)
-    if have is not None and have != classes:
-        if not hasattr(model, "reset_classifier"):
-            raise ConfigError(
-                f"the model predicts {have} classes but the data has {classes}; convert with "
-                f"--num-classes {classes}."
-            )
-        model.reset_classifier(classes)
-        _note(
-            f"note: the model had {have} classes, the data has {classes}: "
-            "its classifier was reset (new weights)"
-        )
-
-
-def _fill_from_record(args: argparse.Namespace, run: dict) -> None:
-    """Take every setting not given on the command line from the recorded run (given ones must match)."""
+def _with_recorded(args: argparse.Namespace, run: dict) -> argparse.Namespace:
+    """A copy of ``args`` with every setting not given taken from the recorded run (given ones must match)."""
+    settings = argparse.Namespace(**vars(args))
     recorded = run.get("cli", {})
     for key in RECORDED:
-        if not getattr(args, key, None) and recorded.get(key) is not None:
-            setattr(args, key, recorded[key])
+        if not getattr(settings, key, None) and recorded.get(key) is not None:
+            setattr(settings, key, recorded[key])
     recipe = run.get("recipe", {})
     for key in RECIPE_FLAGS:
-        if getattr(args, key) is None:
-            setattr(args, key, recipe.get(key))
+        if getattr(settings, key) is None:
+            setattr(settings, key, recipe.get(key))
     for key in ("refine_at", "seed", "max_batches"):
-        if getattr(args, key) is None:
-            setattr(args, key, run.get(key))
-
-
-def _deterministic() -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
+        if getattr(settings, key) is None:
+            setattr(settings, key, run.get(key))
+    return settings
 
 
 # -- demo ------------------------------------------------------------------------------------------

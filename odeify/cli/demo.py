@@ -165,8 +165,8 @@ def _sweep(native: torch.nn.Module, test: DataLoader, out: Path) -> list[str]:
 def _finetune(native: torch.nn.Module, data, recipe, out: Path) -> list[str]:
     coarse = odeify.retarget(native, **COARSE)
     result = finetune(
-        coarse, data, recipe, out=out / "finetune", teacher=native, progress=False, log=tqdm.write
-    )
+        coarse, data, recipe, out=out / "finetune", teacher=native, progress=False
+    )  # its epoch lines go to the odeify logger, which the command line prints
     history = result.history
     plot_history({COARSE_LABEL: history}, out / "finetune.png", title="memory-free fine-tuning")
     plot_weight_path(

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class OdeifyError(ValueError):
-    """Base class: a user-facing error whose message says what is wrong and what to do."""
+    """Base class: a user-facing error whose message says what is wrong and what to do.
+
+    A ValueError on purpose: every odeify error but one is a refused input value (an argument, a
+    setting, a file's contents), which Python code conventionally catches as ``ValueError``, as it
+    does timm's and torch's argument errors. ``except odeify.OdeifyError`` catches odeify's alone.
+    The exception is :class:`TrainingDiverged`, a run-time event, which is a RuntimeError as well.
+    """
 
 
 class ModelLoadError(OdeifyError):
@@ -29,3 +38,13 @@ class FallbackWarning(RuntimeWarning):
 
 class ConfigError(OdeifyError):
     """A conversion setting (integrator, steps, knots, basis, backward mode, stage name) is invalid."""
+
+
+class TrainingDiverged(OdeifyError, RuntimeError):
+    """A loss or gradient became NaN or infinite; the fine-tuning run stopped before applying it."""
+
+
+def did_you_mean(name: str, candidates: Iterable[str], n: int = 3) -> str:
+    """`` Did you mean: a, b?`` with the names closest to ``name`` (empty when none is close)."""
+    close = difflib.get_close_matches(name, list(candidates), n=n)
+    return f" Did you mean: {', '.join(close)}?" if close else ""

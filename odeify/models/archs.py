@@ -11,7 +11,6 @@ enormous.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import math
 import re
@@ -24,7 +23,7 @@ import torch
 from timm.models import get_model_args
 from torch import nn
 
-from odeify.core.errors import ModelLoadError
+from odeify.core.errors import ModelLoadError, did_you_mean
 from odeify.models.digits import DIGITS_ARCH, digits_resnet
 
 __all__ = [
@@ -77,8 +76,7 @@ def is_arch_name(name: str) -> bool:
 def unknown_name_error(name: str) -> ModelLoadError:
     """An error naming the closest timm/odeify names and the checkpoint-file alternative."""
     candidates = [*timm.list_models(), *ODEIFY_ARCHS]
-    close = difflib.get_close_matches(name, candidates, n=5)
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    hint = did_you_mean(name, candidates, n=5)
     return ModelLoadError(
         f"unknown model {name!r}: not a timm model name nor an odeify arch.{hint} "
         f"See timm.list_models('{name[:4]}*') for names; a path to a local checkpoint file "

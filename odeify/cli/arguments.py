@@ -1,0 +1,217 @@
+"""The command line's shared argument groups and argument types (argparse only: no torch).
+
+Each type raises ``argparse.ArgumentTypeError``, which argparse turns into a usage error naming the
+flag (exit code 2). The grammars are the library's own (``odeify.ir.settings.parse_steps``), so the
+command line accepts what Python accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from odeify.core.errors import ConfigError
+from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, parse_steps
+from odeify.numerics.bases import BASES
+from odeify.numerics.tableaus import TABLEAUS, ReversibleHeun, resolve_integrator
+
+INTEGRATORS = sorted([*TABLEAUS, ReversibleHeun.name])
+
+
+def model_arguments(parser: argparse.ArgumentParser, metavar: str) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar=metavar,
+        help="timm name, checkpoint, model folder or converted file (default: the shipped digits ResNet)",
+    )
+    source = parser.add_argument_group("how to build MODEL (ignored for a converted file)")
+    source.add_argument(
+        "--input-size",
+        nargs="+",
+        type=int,
+        metavar="DIM",
+        help="C H W or N C H W of the example input (default: the model's pretrained config)",
+    )
+    source.add_argument("--pretrained", action="store_true", help="download timm's weights (needs the hub)")
+    source.add_argument("--arch", help="timm architecture of a checkpoint that does not name it")
+    source.add_argument("--num-classes", type=positive_int, help="classifier size of the checkpoint's model")
+    source.add_argument("--checkpoint", metavar="FILE", help="weights for a timm name given as MODEL")
+    source.add_argument(
+        "--ema", action="store_true", help="use the checkpoint's EMA weights (state_dict_ema)"
+    )
+    source.add_argument(
+        "--leaf",
+        action="append",
+        default=[],
+        metavar="CLASS",
+        help="keep modules of this class opaque while tracing (repeatable); for code FX cannot trace",
+    )
+
+
+def manifestation_arguments(
+    parser: argparse.ArgumentParser, *, defaults: bool, finetuning: bool = False
+) -> None:
+    """--integrator --steps --knots --basis --backward; ``defaults``: convert's, else keep current."""
+    keep = "" if defaults else "; default: keep the model's"
+    group = parser.add_argument_group("manifestation")
+    group.add_argument(
+        "--integrator",
+        type=integrator,
+        default=DEFAULTS["integrator"] if defaults else None,
+        help=f"one of {', '.join(INTEGRATORS)}" + (" (default: euler)" if defaults else keep),
+    )
+    group.add_argument(
+        "--steps",
+        type=steps,
+        default=DEFAULTS["steps"] if defaults else None,
+        metavar="native|INT|xFLOAT",
+        help="steps per stage: the run's block count (native), a number, or a multiple of native (x2, x0.5)"
+        + (" (default: native)" if defaults else keep),
+    )
+    group.add_argument(
+        "--knots",
+        type=knots,
+        default=DEFAULTS["knots"] if defaults else None,
+        metavar="native|INT",
+        help="weight knots per stage: one per block (native) or a number (fewer compresses)"
+        + (" (default: native)" if defaults else keep),
+    )
+    group.add_argument(
+        "--basis",
+        choices=list(BASES),
+        default=DEFAULTS["basis"] if defaults else None,
+        help="weights over depth" + (" (default: constant)" if defaults else keep),
+    )
+    backward_help = (
+        "training backward pass: backprop (stores everything), checkpoint (exact, stores each step's "
+        "state), reverse (memory-free, approximate; explicit integrators) or reversible (memory-free and "
+        "exact; reversible_heun)"
+    )
+    if finetuning:
+        backward_help += "; default: reversible for reversible_heun, checkpoint otherwise"
+    group.add_argument(
+        "--backward",
+        choices=BACKWARD_MODES,
+        default=DEFAULTS["backward"] if defaults else None,
+        help=backward_help + (" (default: backprop)" if defaults else "" if finetuning else keep),
+    )
+
+
+def data_arguments(parser: argparse.ArgumentParser, batch_size: int | None = 256) -> None:
+    """--data --batch-size --max-batches --workers; ``batch_size`` None: the recipe's (finetune)."""
+    data = parser.add_argument_group("data")
+    data.add_argument(
+        "--data",
+        metavar="DIR|digits",
+        help="'digits' (built in) or an ImageFolder with train/ and val/ subfolders (required; "
+        "with finetune --resume the recorded one)",
+    )
+    default = batch_size or "the recipe's, 64"
+    data.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=batch_size,
+        help=f"batch size per process (default: {default})",
+    )
+    data.add_argument(
+        "--max-batches", type=positive_int, metavar="N", help="use at most N batches per epoch (quick tries)"
+    )
+    data.add_argument("--workers", type=nonnegative_int, default=0, help="data-loading processes (default 0)")
+
+
+# -- argument types: argparse turns their ArgumentTypeError into a usage error (exit code 2) --------
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return int(text)
+
+
+def nonnegative_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer; got {text!r}")
+    return int(text)
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number; got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0; got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0; got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = finite_float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1; got {text!r}")
+    return value
+
+
+def ema_decay(text: str) -> float:
+    """A decay in [0, 1), or 'none' (no weight average), which is 0."""
+    if text.lower() == "none":
+        return 0.0
+    value = finite_float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1) or 'none'; got {text!r}")
+    return value
+
+
+def steps(text: str) -> str | int:
+    """'native', a positive int, or 'x' and a positive multiplier (ir.settings.parse_steps's grammar)."""
+    try:
+        return parse_steps(int(text) if text.isdigit() else text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def knots(text: str) -> str | int:
+    """'native' or a positive int."""
+    if text == "native":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected native or a positive integer; got {text!r}")
+    return int(text)
+
+
+def integrator(text: str) -> str:
+    try:
+        resolve_integrator(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def list_of(item):
+    def parse(text: str) -> list:
+        values = [item(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list; got {text!r}")
+        return values
+
+    parse.__name__ = f"list of {item.__name__}"
+    return parse
+
+
+integrator_list = list_of(integrator)
+
+
+def epoch_list(text: str) -> list[int]:
+    return sorted(set(list_of(positive_int)(text)))

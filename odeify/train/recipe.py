@@ -1,0 +1,86 @@
+"""The fine-tuning recipe: optimizer, schedule, regularisation and epochs, validated where it is made.
+
+:data:`DEFAULT_RECIPE` was chosen from the measurements of ``benchmarks/finetune.py``
+(docs/finetuning.md has them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from odeify.core.errors import ConfigError
+
+__all__ = ["DEFAULT_RECIPE", "EMA_WARMUP_POWER", "Recipe"]
+
+EMA_WARMUP_POWER = 2 / 3
+"""timm's warm-up of the weight average: the decay after optimizer step ``t + 1`` is
+``min(ema_decay, 1 - (1 + t) ** -EMA_WARMUP_POWER)``; after 66 steps it is 0.94, so the average of a
+3-epoch run of 22 batches weighs its last epoch 0.79 and its first 0.02."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How :func:`finetune` trains: optimizer, learning-rate schedule, regularisation, epochs.
+
+    The learning rate rises linearly from 0 over the first ``warmup`` fraction of all steps, then
+    follows a cosine to 0 at the last step. ``weight_decay`` applies to weight matrices and
+    convolution kernels only (timm's grouping: biases, norms and knot biases are not decayed).
+    The loss is ``(1 - distill) * cross-entropy + distill * T^2 * KL(teacher || model)`` at
+    temperature ``T``: with a teacher (the converted model at native depth, which is the source
+    network), the coarse model learns the source's function, not only its labels.
+
+    ``ema_decay``: keep an exponential moving average of the weights, updated after every optimizer
+    step with timm's ``ModelEmaV3`` and its warm-up (:data:`EMA_WARMUP_POWER`): the decay grows
+    with the step count up to ``ema_decay``, so the average follows the recent weights, not the
+    coarse start. The run then returns, validates and saves the average (the last step's weights are
+    validated too). ``None`` or ``0``: no average.
+    """
+
+    epochs: int = 3
+    batch_size: int = 64
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    warmup: float = 0.1
+    weight_decay: float = 0.05
+    label_smoothing: float = 0.0
+    clip_grad_norm: float | None = 5.0
+    distill: float = 1.0
+    temperature: float = 2.0
+    ema_decay: float | None = None
+
+    @property
+    def ema(self) -> bool:
+        """Whether the recipe keeps a weight average (``ema_decay`` neither None nor 0)."""
+        return bool(self.ema_decay)
+
+    def __post_init__(self) -> None:
+        checks = {
+            "epochs": self.epochs >= 1,
+            "batch_size": self.batch_size >= 1,
+            "lr": math.isfinite(self.lr) and self.lr > 0,
+            "warmup": 0 <= self.warmup < 1,
+            "weight_decay": math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "label_smoothing": 0 <= self.label_smoothing < 1,
+            "clip_grad_norm": self.clip_grad_norm is None or self.clip_grad_norm > 0,
+            "distill": 0 <= self.distill <= 1,
+            "temperature": math.isfinite(self.temperature) and self.temperature > 0,
+            "ema_decay": self.ema_decay is None or 0 <= self.ema_decay < 1,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            got = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
+            raise ConfigError(
+                f"invalid fine-tuning setting(s): {got}. epochs and batch_size must be positive integers, "
+                "lr a positive number, warmup in [0, 1), weight_decay >= 0, label_smoothing in [0, 1), "
+                "clip_grad_norm positive or None, distill in [0, 1], temperature positive, ema_decay in "
+                "[0, 1) or None."
+            )
+
+
+DEFAULT_RECIPE = Recipe()
+"""The recipe chosen by benchmarks/finetune.py (see docs/finetuning.md for the measurements)."""
+
+
+DEFAULT_RECIPE = Recipe()
+"""The recipe chosen by benchmarks/finetune.py (see docs/finetuning.md for the measurements)."""

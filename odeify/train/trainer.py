@@ -1,0 +1,275 @@
+"""One fine-tuning run's moving parts: the model, its DDP wrapper, optimizer, weight average, step.
+
+:class:`Trainer` runs one epoch at a time (:meth:`Trainer.train_epoch`: the learning-rate schedule,
+the loss, the divergence checks, clipping, the optimizer step and the weight average), and saves and
+restores itself (:mod:`odeify.train.state`). :func:`odeify.train.finetune.finetune` drives it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from odeify.compiler.conversion import converted_stages
+from odeify.core.dtypes import model_dtype
+from odeify.core.errors import TrainingDiverged
+from odeify.serialization.io import save
+from odeify.train.distributed import Processes
+from odeify.train.evaluate import evaluate
+from odeify.train.manifestations import refine
+from odeify.train.recipe import EMA_WARMUP_POWER, Recipe
+from odeify.train.schedule import learning_rate_factor
+from odeify.train.state import (
+    BEST_FILE,
+    HISTORY_FILE,
+    LAST_FILE,
+    STATE_FILE,
+    EpochRecord,
+    ema_rng,
+    write_history,
+    write_state,
+)
+
+if TYPE_CHECKING:
+    from timm.utils import ModelEmaV3
+
+__all__ = ["Trainer", "reseed", "stage_shape", "validate"]
+
+
+class Trainer:
+    """The model, its (DDP) training wrapper, optimizer, weight average and step counter; one epoch at a time.
+
+    Under torchrun every rank holds the same weights, so every rank keeps its own (identical) average.
+    """
+
+    def __init__(
+        self,
+        model: fx.GraphModule,
+        recipe: Recipe,
+        procs: Processes,
+        total_steps: int,
+        teacher: nn.Module | None,
+    ) -> None:
+        self.recipe, self.procs, self.total_steps = recipe, procs, total_steps
+        self.teacher = teacher.to(procs.device) if teacher is not None else None
+        self.step = 0
+        self.model = model
+        self.optimizer = self._optimizer()
+        self.wrapped = self._wrap()
+        self.ema = self._ema()
+
+    @property
+    def output(self) -> fx.GraphModule:
+        """The model the run validates, returns and saves: the weight average if kept, else the weights."""
+        return self.ema.module if self.ema is not None else self.model
+
+    def _ema(self) -> ModelEmaV3 | None:
+        """timm's weight average of the (unwrapped) model with warm-up; None when the recipe keeps none."""
+        if not self.recipe.ema:
+            return None
+        from timm.utils import ModelEmaV3
+
+        return ModelEmaV3(
+            self.model, decay=self.recipe.ema_decay, use_warmup=True, warmup_power=EMA_WARMUP_POWER
+        )
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        from timm.optim import create_optimizer_v2
+
+        return create_optimizer_v2(
+            self.model, self.recipe.optimizer, lr=self.recipe.lr, weight_decay=self.recipe.weight_decay
+        )
+
+    def _wrap(self) -> nn.Module:
+        if self.procs.world_size == 1:
+            return self.model
+        ids = [self.procs.device.index] if self.procs.device.type == "cuda" else None
+        return DistributedDataParallel(self.model, device_ids=ids)
+
+    def replace_model(self, model: fx.GraphModule) -> int:
+        """Train ``model`` from now on with a new optimizer that keeps the state of unchanged parameters.
+
+        Returns how many parameters kept their optimizer state (same name and shape).
+        """
+        old_params = dict(self.model.named_parameters())
+        old_state = self.optimizer.state
+        self.model = model.to(self.procs.device)
+        self.optimizer = self._optimizer()
+        kept = 0
+        for name, param in self.model.named_parameters():
+            old = old_params.get(name)
+            if old is not None and old.shape == param.shape and old in old_state:
+                self.optimizer.state[param] = {
+                    k: v.clone() if torch.is_tensor(v) else v for k, v in old_state[old].items()
+                }
+                kept += 1
+        self.wrapped = self._wrap()
+        if self.ema is not None:  # the same refinement of the average keeps its shapes the model's
+            self.ema.module = refine(self.ema.module).to(self.procs.device).eval()
+        return kept
+
+    def train_epoch(self, loader, batches: int, epoch: int, show: bool) -> EpochRecord:
+        """One pass over ``batches`` batches; the loss and accuracy are averaged over all ranks."""
+        recipe, device = self.recipe, self.procs.device
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
+        self.model.train()
+        bar = tqdm(total=batches, desc=f"epoch {epoch}/{recipe.epochs}", disable=not show, leave=False)
+        started = time.perf_counter()
+        for index, (x, y) in enumerate(loader):
+            if index == batches:
+                break
+            lr = recipe.lr * learning_rate_factor(self.step, self.total_steps, recipe.warmup)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+            x = x.to(device, dtype=model_dtype(self.model), non_blocking=True)  # as timm's --model-dtype
+            y = y.to(device, non_blocking=True)
+            logits = self.wrapped(x)
+            loss = self._loss(logits, x, y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            where = f"epoch {epoch}, batch {index + 1}/{batches} (optimizer step {self.step + 1})"
+            if not torch.isfinite(loss):
+                raise TrainingDiverged(
+                    f"fine-tuning stopped at {where}: the loss is {loss.item()}. {_ADVICE}"
+                )
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            if not torch.isfinite(norm):
+                raise TrainingDiverged(
+                    f"fine-tuning stopped at {where}: {_bad_gradient(self.model)}. {_ADVICE}"
+                )
+            if recipe.clip_grad_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, recipe.clip_grad_norm, norm)
+            self.optimizer.step()
+            self.step += 1
+            if self.ema is not None:
+                self.ema.update(self.model, step=self.step)
+            n = len(y)
+            correct = (logits.detach().argmax(1) == y).sum().item()
+            totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
+            bar.update()
+            bar.set_postfix(
+                loss=f"{totals[0] / totals[2]:.3f}", acc=f"{totals[1] / totals[2]:.1%}", lr=f"{lr:.2g}"
+            )
+        bar.close()
+        seconds = time.perf_counter() - started
+        if self.procs.world_size > 1:  # on the device: nccl reduces CUDA tensors only
+            totals = totals.to(self.procs.device)
+            dist.all_reduce(totals)
+            totals = totals.cpu()
+        return EpochRecord(
+            epoch=epoch,
+            val_accuracy=math.nan,
+            train_loss=(totals[0] / totals[2]).item(),
+            train_accuracy=(totals[1] / totals[2]).item(),
+            seconds=seconds,
+            lr=lr,
+            **stage_shape(self.model),
+        )
+
+    def _loss(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy, mixed with the distillation loss against the teacher when the recipe asks."""
+        recipe = self.recipe
+        loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
+        if self.teacher is None:
+            return loss
+        with torch.no_grad():
+            target = F.log_softmax(self.teacher(x) / recipe.temperature, dim=1)
+        student = F.log_softmax(logits / recipe.temperature, dim=1)
+        kl = F.kl_div(student, target, log_target=True, reduction="batchmean") * recipe.temperature**2
+        return (1 - recipe.distill) * loss + recipe.distill * kl
+
+    def save(self, folder: Path, epoch: int, history: list[EpochRecord], run: dict, improved: bool) -> None:
+        """Write state, last, best (if ``improved``) and history on rank 0; every rank waits for it.
+
+        ``last`` and ``best`` hold :attr:`output` (the weight average when kept); the state holds both.
+        """
+        if self.procs.is_main:
+            _check_finite_weights(self.model, epoch)
+            if self.ema is not None:
+                _check_finite_weights(self.output, epoch)
+            write_state(folder / STATE_FILE, self, epoch, history, run)
+            save(self.output, folder / LAST_FILE)
+            if improved:
+                save(self.output, folder / BEST_FILE)
+            write_history(folder / HISTORY_FILE, history)
+        if self.procs.world_size > 1:
+            dist.barrier()
+
+    def load(self, state: dict) -> None:
+        """Restore weights, weight average, optimizer state and step count from a read training state."""
+        device = self.procs.device
+        self.model.load_state_dict({k: v.to(device) for k, v in state["model"].items()})
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        if self.ema is not None:
+            self.ema.module.load_state_dict({k: v.to(device) for k, v in state["ema"].items()})
+            rng = ema_rng(self.ema)
+            if rng is not None and state.get("ema_rng") is not None:
+                rng.set_state(state["ema_rng"])
+
+
+_ADVICE = (
+    "Nothing from this epoch was saved: the files from the last completed epoch are untouched. Lower the "
+    "learning rate (--lr), keep gradient clipping on, or use a finer manifestation (more --steps)."
+)
+
+
+def _bad_gradient(model: nn.Module) -> str:
+    """'the gradient of <param> (stage <name>) is nan': the first parameter with a non-finite gradient."""
+    owner = {id(p): s.stage_name for s in converted_stages(model) for p in s.parameters()}
+    for name, param in model.named_parameters():
+        if param.grad is not None and not torch.isfinite(param.grad).all():
+            value = "nan" if torch.isnan(param.grad).any() else "inf"
+            where = f"stage '{owner[id(param)]}'" if id(param) in owner else "outside the ODE stages"
+            return f"the gradient of {name} ({where}) is {value}"
+    return "the gradient norm is not finite"
+
+
+def _check_finite_weights(model: nn.Module, epoch: int) -> None:
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise TrainingDiverged(
+            f"after epoch {epoch} the weights {', '.join(bad[:3])} hold NaN or inf values; nothing was "
+            f"saved for this epoch. {_ADVICE}"
+        )
+
+
+def validate(model: nn.Module, loader, procs: Processes) -> float:
+    """Validation accuracy, computed on rank 0 and shared with every rank."""
+    value = torch.zeros(1, dtype=torch.float64, device=procs.device)  # nccl broadcasts CUDA tensors only
+    if procs.is_main:
+        value[0] = evaluate(model, loader, device=procs.device).accuracy
+    if procs.world_size > 1:
+        dist.broadcast(value, 0)
+    return value.item()
+
+
+def stage_shape(model: nn.Module) -> dict[str, dict[str, int]]:
+    """Each stage's knot and step counts: what a history record notes of the model."""
+    stages = converted_stages(model)
+    return {
+        "knots": {s.stage_name: s.num_knots for s in stages},
+        "steps": {s.stage_name: s.steps for s in stages},
+    }
+
+
+def reseed(seed: int, epoch: int, rank: int) -> None:
+    """Seed every global RNG from (seed, epoch, rank): what an epoch draws does not depend on history."""
+    value = (seed * 1_000_003 + epoch * 7_919 + rank) % 2**32
+    torch.manual_seed(value)
+    np.random.seed(value)
+    random.seed(value)
