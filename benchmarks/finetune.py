@@ -166,8 +166,6 @@ def _training_seed(path: Path) -> int | None:
     return json.loads(read_checkpoint_metadata(path).get(META_DIGITS, "{}")).get("train_seed")
 
 
-
-
 def _after(history: list) -> str:
     """The accuracy after training; with a weight average, the last step's weights' in parentheses."""
     last = history[-1]

@@ -22,7 +22,7 @@ transformation declaring ``preserves_computation`` against eager output.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
@@ -85,6 +85,25 @@ class PassSpec:
             f"pass {self.name!r} {' and '.join(why)}; the graph has "
             f"{', '.join(sorted(p.name for p in have)) or 'none'}" + (f" ({needed})" if needed else "")
         )
+
+
+def analysis(name: str, *, requires: Iterable[Property] = (), ensures: Iterable[Property] = ()) -> PassSpec:
+    """The declaration of an analysis: reads the graph, writes ``node.meta`` and its return value only."""
+    return PassSpec(name, True, False, frozenset(requires), frozenset(ensures))
+
+
+def transformation(
+    name: str,
+    *,
+    preserves_computation: bool = True,
+    requires: Iterable[Property] = (),
+    ensures: Iterable[Property] = (),
+    invalidates: Iterable[Property] = (),
+    forbids: Iterable[Property] = (),
+) -> PassSpec:
+    """The declaration of a pass that rewrites the graph (by default, without changing its output)."""
+    sets = (frozenset(requires), frozenset(ensures), frozenset(invalidates), frozenset(forbids))
+    return PassSpec(name, preserves_computation, True, *sets)
 
 
 def graph_properties(gm: fx.GraphModule) -> frozenset[Property]:

@@ -15,17 +15,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from odeify.core.errors import ConfigError
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.graph_utils import fetch_attr, set_attr
 from odeify.passes.properties import BLOCKS, BN_FOLDED, RUNS, SHAPES
 
-FOLD_BATCHNORM = PassSpec(
+FOLD_BATCHNORM = transformation(
     "fold_batchnorm",
-    preserves_computation=True,
-    modifies_graph=True,
-    requires=frozenset({SHAPES}),
-    ensures=frozenset({BN_FOLDED}),
-    invalidates=frozenset({BLOCKS, RUNS}),  # the erased BN nodes may be named by block tags
+    requires={SHAPES},
+    ensures={BN_FOLDED},
+    invalidates={BLOCKS, RUNS},  # the erased BN nodes may be named by block tags
 )
 
 _CONVS = {torch.conv1d, torch.conv2d, torch.conv3d}

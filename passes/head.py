@@ -21,17 +21,15 @@ from torch import nn
 
 from odeify.core.errors import OdeifyError
 from odeify.ir.meta import node_tag, tag
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.properties import STAGE_CALLS
 from odeify.passes.tracing import trace
 
 __all__ = ["MARK_HEAD", "head_input", "head_nodes", "mark_head"]
 
-MARK_HEAD = PassSpec(
+MARK_HEAD = transformation(  # the classifier's F.linear becomes the same Linear module's call
     "mark_head",
-    preserves_computation=True,  # the classifier's F.linear becomes the same Linear module's call
-    modifies_graph=True,
-    requires=frozenset({STAGE_CALLS}),  # the head as traced: before lowering writes the stages out
+    requires={STAGE_CALLS},  # the head as traced: before lowering writes the stages out
 )
 
 

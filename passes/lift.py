@@ -24,18 +24,16 @@ from odeify.core.dtypes import model_dtype
 from odeify.ir.meta import tag
 from odeify.ir.plan import Run
 from odeify.ir.stage_ir import Slot, StageIR
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.graph_utils import fetch_attr, identity_sources, owner_of, unique_name
 from odeify.passes.properties import BLOCKS, RUNS, STAGE_CALLS
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
 
-LIFT_RUNS = PassSpec(
+LIFT_RUNS = transformation(
     "lift_runs",
-    preserves_computation=True,
-    modifies_graph=True,
-    requires=frozenset({RUNS}),
-    ensures=frozenset({STAGE_CALLS}),
-    invalidates=frozenset({BLOCKS, RUNS}),  # the runs' nodes are replaced by stage calls
+    requires={RUNS},
+    ensures={STAGE_CALLS},
+    invalidates={BLOCKS, RUNS},  # the runs' nodes are replaced by stage calls
 )
 
 

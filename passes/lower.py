@@ -15,26 +15,22 @@ import torch.fx as fx
 from odeify.codegen.emit import StageWriter, write_stage
 from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.properties import LOWERED, SEGMENTS, SHAPES, STAGE_CALLS
 
-LOWER_STAGES = PassSpec(
+LOWER_STAGES = transformation(
     "lower_stages",
-    preserves_computation=True,
-    modifies_graph=True,
-    requires=frozenset({STAGE_CALLS}),
-    ensures=frozenset({LOWERED}),
-    invalidates=frozenset({STAGE_CALLS, SHAPES}),  # emitted nodes carry no tensor_meta
-    forbids=frozenset({SEGMENTS}),
+    requires={STAGE_CALLS},
+    ensures={LOWERED},
+    invalidates={STAGE_CALLS, SHAPES},  # emitted nodes carry no tensor_meta
+    forbids={SEGMENTS},
 )
-RAISE_STAGES = PassSpec(
+RAISE_STAGES = transformation(
     "raise_stages",
-    preserves_computation=True,
-    modifies_graph=True,
-    requires=frozenset({LOWERED}),
-    ensures=frozenset({STAGE_CALLS}),
-    invalidates=frozenset({LOWERED}),
-    forbids=frozenset({SEGMENTS}),  # inline them first: passes.segments.inline_segments
+    requires={LOWERED},
+    ensures={STAGE_CALLS},
+    invalidates={LOWERED},
+    forbids={SEGMENTS},  # inline them first: passes.segments.inline_segments
 )
 
 

@@ -26,17 +26,16 @@ from odeify.ir.settings import StageSettings, resolve_steps, validate_backward
 from odeify.ir.stage_ir import StageIR
 from odeify.numerics.bases import fit_matrix, get_basis, validate_knots
 from odeify.numerics.tableaus import resolve_integrator
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.properties import SEGMENTS, STAGE_CALLS
 
 __all__ = ["SET_MANIFESTATION", "check_manifestation", "refit", "set_manifestation"]
 
-SET_MANIFESTATION = PassSpec(
+SET_MANIFESTATION = transformation(
     "set_manifestation",
     preserves_computation=False,  # the point: another integrator, depth or weight path
-    modifies_graph=True,
-    requires=frozenset({STAGE_CALLS}),
-    forbids=frozenset({SEGMENTS}),
+    requires={STAGE_CALLS},
+    forbids={SEGMENTS},
 )
 
 

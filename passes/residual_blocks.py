@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from odeify.ir.meta import tag, untag
 from odeify.ir.plan import Block
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import analysis, graph_pass
 from odeify.passes.graph_utils import (
     activation_of,
     common_prefix,
@@ -31,13 +31,7 @@ from odeify.passes.graph_utils import (
 from odeify.passes.properties import BLOCKS, SHAPES
 from odeify.passes.tracing import node_shape
 
-FIND_BLOCKS = PassSpec(
-    "find_blocks",
-    preserves_computation=True,
-    modifies_graph=False,
-    requires=frozenset({SHAPES}),
-    ensures=frozenset({BLOCKS}),
-)
+FIND_BLOCKS = analysis("find_blocks", requires={SHAPES}, ensures={BLOCKS})
 
 
 @graph_pass(FIND_BLOCKS)

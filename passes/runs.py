@@ -22,17 +22,11 @@ from torch import nn
 
 from odeify.ir.meta import tag
 from odeify.ir.plan import Block, Discrete, Run
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import analysis, graph_pass
 from odeify.passes.graph_utils import common_prefix, fetch_attr, is_pass_through, module_config, unique_name
 from odeify.passes.properties import BLOCKS, RUNS
 
-GROUP_RUNS = PassSpec(
-    "group_runs",
-    preserves_computation=True,
-    modifies_graph=False,
-    requires=frozenset({BLOCKS}),
-    ensures=frozenset({RUNS}),
-)
+GROUP_RUNS = analysis("group_runs", requires={BLOCKS}, ensures={RUNS})
 
 
 def block_node_list(block: Block, nodes: dict[str, fx.Node]) -> list[fx.Node]:

@@ -40,17 +40,13 @@ from torch.utils.checkpoint import checkpoint
 from odeify.core.errors import ConfigError
 from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.properties import SEGMENTS
 
 __all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments", "without_segments"]
 
-CHECKPOINT_SEGMENTS = PassSpec(
-    "checkpoint_segments", preserves_computation=True, modifies_graph=True, ensures=frozenset({SEGMENTS})
-)
-INLINE_SEGMENTS = PassSpec(
-    "inline_segments", preserves_computation=True, modifies_graph=True, invalidates=frozenset({SEGMENTS})
-)
+CHECKPOINT_SEGMENTS = transformation("checkpoint_segments", ensures={SEGMENTS})
+INLINE_SEGMENTS = transformation("inline_segments", invalidates={SEGMENTS})
 
 SEGMENT_PREFIX = "odeify_segment"
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import TraceError
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import analysis, graph_pass, transformation
 from odeify.passes.properties import SHAPES
 
 TRACE_THROUGH: tuple[type[nn.Module], ...] = (
@@ -68,7 +68,7 @@ class ResidualTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
-TRACE = PassSpec("trace", preserves_computation=True, modifies_graph=True)
+TRACE = transformation("trace")
 """The graph's creation (not a rewrite of a graph): declared so that pipelines name and order it."""
 
 
@@ -112,9 +112,7 @@ def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, str]
     return found
 
 
-ANNOTATE_SHAPES = PassSpec(
-    "annotate_shapes", preserves_computation=True, modifies_graph=False, ensures=frozenset({SHAPES})
-)
+ANNOTATE_SHAPES = analysis("annotate_shapes", ensures={SHAPES})
 
 
 @graph_pass(ANNOTATE_SHAPES)

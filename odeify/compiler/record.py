@@ -17,7 +17,7 @@ from odeify.core.errors import ModelLoadError
 from odeify.ir.plan import Plan
 from odeify.models.archs import arch_spec
 from odeify.models.timm_interface import ConvertedModel, adopt
-from odeify.passes.contract import PassSpec, graph_pass
+from odeify.passes.contract import analysis, graph_pass
 from odeify.passes.properties import STAGE_CALLS
 from odeify.runtime.stage import ODEStage
 
@@ -25,11 +25,8 @@ __all__ = ["META", "RECORD_CONVERSION", "record_conversion"]
 
 META = "odeify"  # GraphModule.meta key of the conversion record
 
-RECORD_CONVERSION = PassSpec(
-    "record_conversion",
-    preserves_computation=True,
-    modifies_graph=False,  # writes gm.meta and makes gm a ConvertedModel; the graph stays as it is
-    requires=frozenset({STAGE_CALLS}),
+RECORD_CONVERSION = analysis(  # writes gm.meta and makes gm a ConvertedModel; the graph stays as it is
+    "record_conversion", requires={STAGE_CALLS}
 )
 
 
