@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 import odeify
-from odeify.cli.console import console_on
+from odeify.cli.console import console_on, stdout_is_data
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes
@@ -162,13 +162,9 @@ def _output_file(path: str | None, what: str = "-o") -> Path | None:
     return target
 
 
-def _stdout_is_data(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "json", False) or getattr(args, "code", False))
-
-
 def _tables(args: argparse.Namespace):
     """Where tables go: stdout, or stderr when stdout carries JSON or code."""
-    return console_on(sys.stderr if _stdout_is_data(args) else sys.stdout)
+    return console_on(sys.stderr if stdout_is_data(args) else sys.stdout)
 
 
 def _note(message: str) -> None:
@@ -440,10 +436,6 @@ def run_sweep(args: argparse.Namespace) -> int:
         args.steps,
         args.knots,
         max_batches=args.max_batches,
-        on_point=lambda p: _note(
-            f"{p.integrator:>16} steps {p.steps:>6} knots {p.knots:>6}: NFE {p.nfe:>4}, "
-            f"accuracy {p.accuracy:.2%}"
-        ),
     )
     lines = sweep_markdown(points)
     print("\n".join(lines))

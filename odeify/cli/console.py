@@ -19,27 +19,38 @@ def console_on(stream: IO[str]):
     return console
 
 
+def stdout_is_data(args) -> bool:
+    """Whether a command's standard output is data for a script (JSON, code, the sweep's table), so
+    that its tables and log lines go to standard error instead."""
+    return bool(getattr(args, "json", False) or getattr(args, "code", False)) or args.command == "sweep"
+
+
 class _TqdmHandler(logging.Handler):
     """Writes each record with ``tqdm.write``, so that a progress bar on the terminal stays whole."""
+
+    def __init__(self, to_stderr: bool) -> None:
+        super().__init__()
+        self.to_stderr = to_stderr
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=sys.stdout)
+            tqdm.write(self.format(record), file=sys.stderr if self.to_stderr else sys.stdout)
         except Exception:  # a closed stream must not stop the run
             self.handleError(record)
 
 
-def log_to_stdout(level: int = logging.INFO) -> None:
-    """Print the ``odeify`` logger's lines on standard output, plain: what every command does.
+def print_log_lines(to_stderr: bool, level: int = logging.INFO) -> None:
+    """Print the ``odeify`` logger's lines, plain, on stdout (or stderr): what every command does.
 
     The library logs (``logging.getLogger("odeify")``, as timm's modules do); the command line is the
     application that decides where the lines go.
     """
     logger = logging.getLogger("odeify")
-    if not any(isinstance(h, _TqdmHandler) for h in logger.handlers):
-        handler = _TqdmHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
+    for handler in [h for h in logger.handlers if isinstance(h, _TqdmHandler)]:
+        logger.removeHandler(handler)
+    handler = _TqdmHandler(to_stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
     logger.setLevel(level)

@@ -17,7 +17,7 @@ from importlib import metadata
 
 from odeify import __version__
 from odeify.cli import arguments as arg
-from odeify.cli.console import log_to_stdout
+from odeify.cli.console import print_log_lines, stdout_is_data
 from odeify.core.errors import OdeifyError
 from odeify.models import DEFAULT_MODEL_PATH
 
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         module, function = HANDLERS[args.command]
-        log_to_stdout()
+        print_log_lines(to_stderr=stdout_is_data(args))
         return getattr(importlib.import_module(module), function)(args)
     except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2

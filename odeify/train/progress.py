@@ -1,7 +1,7 @@
 """What a fine-tuning run says: one line per event, through ``logging.getLogger("odeify")``.
 
 As timm does, the library logs and the application decides where it goes: the command line sends
-the ``odeify`` logger's INFO lines to standard output (``odeify.cli.console.log_to_stdout``), a
+the ``odeify`` logger's INFO lines to its output (``odeify.cli.console.print_log_lines``), a
 Python user configures ``logging`` as for any library (``logging.basicConfig(level=logging.INFO)``).
 """
 

@@ -15,6 +15,7 @@ import torch.fx as fx
 from odeify.compiler.conversion import retarget
 from odeify.inspection.report import markdown_table
 from odeify.train.evaluate import evaluate
+from odeify.train.progress import LOGGER
 
 __all__ = ["SweepPoint", "sweep", "sweep_markdown"]
 
@@ -39,12 +40,12 @@ def sweep(
     knots: Sequence[int | str] = ("native",),
     *,
     max_batches: int | None = None,
-    on_point: Callable[[SweepPoint], None] | None = None,
 ) -> list[SweepPoint]:
     """Evaluate ``model`` retargeted to every combination; ``batches()`` yields a fresh pass of data.
 
     Knots are refitted from the model as given (least squares below its count, resampled above);
-    every point runs with ``backward='backprop'`` (evaluation never runs a backward pass).
+    every point runs with ``backward='backprop'`` (evaluation never runs a backward pass). Each
+    point is logged as it is measured (``logging.getLogger("odeify")``).
     """
     points = []
     for integrator, step, knot in product(integrators, steps, knots):
@@ -54,8 +55,10 @@ def sweep(
             integrator, str(step), str(knot), result.nfe, result.accuracy, result.seconds_per_batch
         )
         points.append(point)
-        if on_point is not None:
-            on_point(point)
+        LOGGER.info(
+            f"{point.integrator:>16} steps {point.steps:>6} knots {point.knots:>6}: NFE {point.nfe:>4}, "
+            f"accuracy {point.accuracy:.2%}"
+        )
     return points
 
 
