@@ -119,6 +119,11 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
             f"a run of {run.length} periods of {run.period} residual sub-blocks (e.g. attention and MLP "
             "halves) becomes one splitting stage, which is not implemented yet; its blocks stay as they are"
         )
+    if run.glue:
+        raise NotLiftable(
+            f"its blocks are joined by layout nodes ({', '.join(run.glue)}), which a stage template does "
+            "not hold yet; its blocks stay as they are"
+        )
     nodes = {n.name: n for n in gm.graph.nodes}
     modules = dict(gm.named_modules())
     members = [{n.name for n in block_node_list(b, nodes)} for b in run.blocks]

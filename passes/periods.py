@@ -128,34 +128,41 @@ def _split(
     stretch: list[Block], links: list[tuple[fx.Node, ...]], signature: Callable[[Block], tuple], g: _Graph
 ) -> list[Group]:
     """Cut a stretch of linked blocks into the fewest runs (ties: smaller periods, then longer runs
-    first), back to front. A period that ends in glue (Swin reshapes back after its last MLP) takes
-    the glue after its last block too."""
+    first), back to front; a run whose values leak out (:func:`_contained`) is no option. A period
+    that ends in glue (Swin reshapes back after its last MLP) takes the glue after its last block."""
     links = [*links, _trailing_glue(stretch[-1], g)]
     blocks = [signature(block) for block in stretch]
     glues = [_glue_signature(stretch, links, j, g) for j in range(len(links))]
+
+    def group(start: int, period: int, reps: int) -> Group | None:
+        """The run of ``reps`` periods from ``start``, or None if it is not self-contained."""
+        end = start + period * reps
+        if reps == 1:
+            return Group((stretch[start],))
+        trailing = links[end - 1] if glues[end - 1] == glues[start + period - 1] else ()
+        glue = tuple(node.name for link in (*links[start : end - 1], trailing) for node in link)
+        found = Group(tuple(stretch[start:end]), period, glue)
+        last = trailing[-1].name if trailing else stretch[end - 1].output
+        return found if _contained(found, last, g) else None
+
     n = len(stretch)
-    best: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * (n + 1)  # (runs, periods, period, reps)
+    best: list[tuple[int, int, Group | None]] = [(0, 0, None)] * (n + 1)  # (runs, periods, first run)
     for start in range(n - 1, -1, -1):
         options = [(best[start + 1][0] + 1, best[start + 1][1] + 1, -1, 1, 1)]
         for period in range(1, min(MAX_PERIOD, (n - start) // 2) + 1):
             for reps in range(2, _repetitions(blocks, glues, start, period) + 1):
-                runs, periods = best[start + reps * period][:2]
+                runs, periods, _ = best[start + reps * period]
                 options.append((runs + 1, periods + period, -period * reps, period, reps))
-        runs, periods, _, period, reps = min(options)
-        best[start] = (runs, periods, period, reps)
+        for runs, periods, _, period, reps in sorted(options):
+            first = group(start, period, reps)
+            if first is not None:
+                best[start] = (runs, periods, first)
+                break
     groups, start = [], 0
     while start < n:
-        _, _, period, reps = best[start]
-        end = start + period * reps
-        if reps == 1:
-            groups.append(Group((stretch[start],)))
-        else:
-            trailing = links[end - 1] if glues[end - 1] == glues[start + period - 1] else ()
-            glue = tuple(node.name for link in (*links[start : end - 1], trailing) for node in link)
-            group = Group(tuple(stretch[start:end]), period, glue)
-            last = trailing[-1].name if trailing else stretch[end - 1].output
-            groups.extend([group] if _contained(group, last, g) else [Group((b,)) for b in group.blocks])
-        start = end
+        first = best[start][2]
+        groups.append(first)
+        start += len(first.blocks)
     return groups
 
 
@@ -194,9 +201,10 @@ def _repetitions(blocks: list[tuple], glues: list[tuple], start: int, period: in
 def _glue_signature(stretch: list[Block], links: list[tuple[fx.Node, ...]], j: int, g: _Graph) -> tuple:
     """The glue after block ``j`` described without node names: what repeats from period to period.
 
-    Values are named by where they come from: the output of block ``j`` (``prev``), an earlier glue
-    node (``g``, its index), the fork or output of a block ``m`` places back (Swin reshapes back to
-    the shape of the block pair's input), or a shape read on one of those, described by its calls.
+    Values are named by where they come from: an earlier node of this glue (``g``, its index), the
+    output or fork of the block ``m`` places back (``("output", 0)`` is block ``j``'s output; Swin
+    reshapes back to the shape of the block pair's input, ``("fork", 1)``), or a shape read on one
+    of those, described by its calls.
     """
     glue = links[j]
     index = {node.name: k for k, node in enumerate(glue)}

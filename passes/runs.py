@@ -1,8 +1,10 @@
-"""Analysis pass: group identity blocks into runs of same-shape, isomorphic blocks.
+"""Analysis pass: group identity blocks into runs of same-shape, isomorphic blocks, or of periods.
 
-A run is a maximal chain of identity blocks, each fed by the previous block's output (and that
-output used by nothing else), with equal shapes, the same form and activation, isomorphic branch
-graphs and equal parameter shapes, including tensors read directly through ``get_attr``.
+A run of period 1 is a maximal chain of identity (or scaled-shortcut) blocks, each fed by the
+previous block's output (and that output used by nothing else live), with equal shapes, the same
+form and activation, isomorphic branch graphs and equal parameter shapes, including tensors read
+directly through ``get_attr``. Blocks left alone by that (a transformer's attention and MLP halves
+alternate) are grouped by :mod:`odeify.passes.periods` into runs of period p > 1.
 
 Pass-through calls (``nn.Identity``, dropout, timm's ``DropPath``) are not part of the comparison:
 timm builds a ``DropPath`` only where a block's drop rate is above 0 and ``nn.Identity`` (or

@@ -624,6 +624,38 @@ def test_a_tap_between_sub_blocks_breaks_the_period() -> None:
     assert (plan.run_lengths, plan.run_periods) == ([1, 1, 2], [1, 1, 2])
 
 
+def test_a_shape_read_leaving_the_period_breaks_it() -> None:
+    """The head reads the token count of the first pair's inner state: that period cannot be integrated."""
+
+    class ShapeTapped(TokenNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x).permute(0, 2, 3, 1)
+            B, H, W, C = x.shape
+            tokens = (x + F.relu(self.blocks[0].f(x))).reshape(B, -1, C)
+            count = tokens.shape[1]  # read inside the period, used by the head
+            x = (tokens + torch.tanh(self.blocks[0].g(tokens))).reshape(B, H, W, C)
+            for pair in self.blocks[1:]:
+                x = pair(x)
+            return x.mean((1, 2)) * count
+
+    _, plan = analyzed(_seeded(ShapeTapped(3)))
+    assert (plan.run_lengths, plan.run_periods) == ([1, 1, 2], [1, 1, 2])
+
+
+class GluedBlock(PreBlock):
+    """``(x + f(x)).contiguous()``: identical blocks with a layout node between each two."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).contiguous()
+
+
+def test_identical_blocks_with_glue_are_one_run_of_period_1() -> None:
+    """Four blocks could be read as two periods of two; the smaller period wins the tie."""
+    _, plan = analyzed(_seeded(Net(*(GluedBlock(8) for _ in range(4)))))
+    assert (plan.run_lengths, plan.run_periods) == ([4], [1])
+    assert len(plan.runs[0].glue) == 4  # after each block, the last one's trailing one too
+
+
 # --- the analysis never changes the caller's model -----------------------------------------------------
 
 
