@@ -127,9 +127,13 @@ def _glue_source(node: fx.Node, g: _Graph) -> fx.Node | None:
 def _split(
     stretch: list[Block], links: list[tuple[fx.Node, ...]], signature: Callable[[Block], tuple], g: _Graph
 ) -> list[Group]:
-    """Cut a stretch of linked blocks into the fewest runs (ties: smaller periods, then longer runs
-    first), back to front; a run whose values leak out (:func:`_contained`) is no option. A period
-    that ends in glue (Swin reshapes back after its last MLP) takes the glue after its last block."""
+    """Cut a stretch of linked blocks into the fewest runs, back to front.
+
+    Ties go to smaller periods, then to periods that start where a module starts (LeViT's stage
+    opens with a lone MLP half: its period is attention + MLP, not MLP + attention), then to the
+    longer first run. A run whose values leak out (:func:`_contained`) is no option. A period that
+    ends in glue (Swin reshapes back after its last MLP) takes the glue after its last block.
+    """
     links = [*links, _trailing_glue(stretch[-1], g)]
     blocks = [signature(block) for block in stretch]
     glues = [_glue_signature(stretch, links, j, g) for j in range(len(links))]
@@ -145,22 +149,33 @@ def _split(
         last = trailing[-1].name if trailing else stretch[end - 1].output
         return found if _contained(found, last, g) else None
 
+    def splits_a_module(start: int, period: int, reps: int) -> int:
+        """How many of the run's periods start inside a module (LeViT: an MLP half, then attention)."""
+        starts = range(start, start + period * reps, period)
+        inside = [
+            k > 0 and stretch[k].scope != "" and stretch[k].scope == stretch[k - 1].scope for k in starts
+        ]
+        return sum(inside)
+
     n = len(stretch)
-    best: list[tuple[int, int, Group | None]] = [(0, 0, None)] * (n + 1)  # (runs, periods, first run)
+    # best[i]: (runs, sum of periods, periods split inside a module, first run) for blocks i..n-1
+    best: list[tuple[int, int, int, Group | None]] = [(0, 0, 0, None)] * (n + 1)
     for start in range(n - 1, -1, -1):
-        options = [(best[start + 1][0] + 1, best[start + 1][1] + 1, -1, 1, 1)]
+        runs, periods, split = best[start + 1][:3]
+        options = [(runs + 1, periods + 1, split, -1, 1, 1)]
         for period in range(1, min(MAX_PERIOD, (n - start) // 2) + 1):
             for reps in range(2, _repetitions(blocks, glues, start, period) + 1):
-                runs, periods, _ = best[start + reps * period]
-                options.append((runs + 1, periods + period, -period * reps, period, reps))
-        for runs, periods, _, period, reps in sorted(options):
+                runs, periods, split = best[start + reps * period][:3]
+                split += splits_a_module(start, period, reps)
+                options.append((runs + 1, periods + period, split, -period * reps, period, reps))
+        for runs, periods, split, _, period, reps in sorted(options):
             first = group(start, period, reps)
             if first is not None:
-                best[start] = (runs, periods, first)
+                best[start] = (runs, periods, split, first)
                 break
     groups, start = [], 0
     while start < n:
-        first = best[start][2]
+        first = best[start][3]
         groups.append(first)
         start += len(first.blocks)
     return groups
