@@ -178,11 +178,16 @@ def _parameter_count(branch: tuple[str, ...], nodes: dict[str, fx.Node], gm: fx.
 
 
 def _scope(branch: tuple[str, ...], nodes: dict[str, fx.Node]) -> str:
-    """The module path the block lives under (for display and stage names), from its parameter paths."""
+    """The module path the block lives under (for display and stage names), from its parameter paths.
+
+    Tensors fx made constants of (``_tensor_constant0``: Swin's relative position index) belong to
+    no module and are left out.
+    """
     paths = []
     for name in branch:
         node = nodes[name]
-        paths.extend(inp.target.split(".") for inp in _own_attributes(node))
+        owned = (inp.target for inp in _own_attributes(node) if not inp.target.startswith("_tensor_constant"))
+        paths.extend(target.split(".") for target in owned)
     return ".".join(common_prefix(paths))
 
 
