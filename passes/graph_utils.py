@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import networkx as nx
 import torch
@@ -50,19 +50,46 @@ ACTIVATION_FUNCTIONS = {
 ACTIVATION_METHODS = {"relu", "relu_", "sigmoid", "tanh"}
 
 
+METADATA_ATTRIBUTES = frozenset({"shape", "device", "dtype", "ndim", "is_cuda", "layout", "requires_grad"})
+METADATA_METHODS = frozenset({"size", "dim", "numel", "nelement", "get_device", "is_floating_point"})
+
+
+def is_metadata_query(node: fx.Node) -> bool:
+    """``x.shape``, ``x.device``, ``x.size()``, ...: a node whose value describes a tensor, not its data."""
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        return node.args[1] in METADATA_ATTRIBUTES
+    return node.op == "call_method" and node.target in METADATA_METHODS
+
+
 def data_nodes(graph: fx.Graph) -> set[str]:
-    """Names of nodes that carry activations: everything computed from a placeholder.
+    """Names of nodes that carry activations: everything computed from a placeholder's values.
 
     Nodes computed only from parameters (weight standardization in NF-ResNet and BiT convs) are
-    weight expressions, not data: they belong to the block whose branch reads them.
+    weight expressions, not data: they belong to the block whose branch reads them. So are nodes
+    computed from a tensor's shape or device alone (``x.shape[0]``, ``cls_token.expand(B, -1, -1)``,
+    LeViT's ``x.device``): their value is the same for every input of that shape, so they neither
+    carry the batch nor make an add a residual join.
     """
     data: set[str] = set()
     for node in graph.nodes:
         if node.op == "placeholder" or (
-            node.op != "output" and any(inp.name in data for inp in node.all_input_nodes)
+            node.op != "output"
+            and not is_metadata_query(node)
+            and any(inp.name in data for inp in node.all_input_nodes)
         ):
             data.add(node.name)
     return data
+
+
+def shape_nodes(graph: fx.Graph, data: set[str]) -> set[str]:
+    """Names of the non-data nodes computed from a data node's shape or device (``x.shape[0]``)."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "output" or node.name in data:
+            continue
+        if any(inp.name in data or inp.name in found for inp in node.all_input_nodes):
+            found.add(node.name)
+    return found
 
 
 def data_graph(graph: fx.Graph, data: set[str]) -> nx.DiGraph:
@@ -236,3 +263,35 @@ def module_config(module: nn.Module) -> str:
     group into one run; the lifted stage keeps each block's module.
     """
     return f"{type(module).__module__}.{type(module).__qualname__}:{_NUMBER.sub('#', repr(module))}"
+
+
+def describe_arg(arg: object, refer: Callable[[fx.Node], tuple]) -> tuple:
+    """A hashable description of a node argument, with node references described by ``refer``.
+
+    Containers and slices are described element by element (Swin's ``x[:, :H]`` holds a node in
+    a slice, so its ``repr`` would embed a node name); float literals are wildcards (NF-ResNet's
+    per-block ``beta``, DropPath rates: lifting interpolates them like weights).
+    """
+    if isinstance(arg, fx.Node):
+        return refer(arg)
+    if isinstance(arg, (tuple, list)):
+        return (type(arg).__name__, tuple(describe_arg(a, refer) for a in arg))
+    if isinstance(arg, dict):
+        return ("dict", tuple((k, describe_arg(v, refer)) for k, v in sorted(arg.items())))
+    if isinstance(arg, slice):
+        return ("slice", *(describe_arg(part, refer) for part in (arg.start, arg.stop, arg.step)))
+    if isinstance(arg, float):
+        return ("float",)
+    return ("lit", repr(arg))
+
+
+def describe_target(node: fx.Node, modules: dict[str, nn.Module]) -> tuple:
+    """What a node calls: a module's configuration and tensor shapes, a function's or method's name."""
+    if node.op == "call_module":
+        module = modules[node.target]
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        return ("module", module_config(module), tuple((n, tuple(t.shape)) for n, t in tensors))
+    if node.op == "call_function":
+        function = node.target
+        return ("function", getattr(function, "__module__", ""), getattr(function, "__name__", ""))
+    return (node.op, str(node.target))

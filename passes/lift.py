@@ -12,7 +12,9 @@ pass preserves computation.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import operator
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +27,7 @@ from odeify.ir.meta import tag
 from odeify.ir.plan import Run
 from odeify.ir.stage_ir import Slot, StageIR
 from odeify.passes.contract import graph_pass, transformation
-from odeify.passes.graph_utils import fetch_attr, identity_sources, owner_of, unique_name
+from odeify.passes.graph_utils import fetch_attr, identity_sources, live_nodes, owner_of, unique_name
 from odeify.passes.properties import BLOCKS, RUNS, STAGE_CALLS
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
 
@@ -111,9 +113,20 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
     The blocks are walked in step over their core nodes (pass-through calls skipped, as the runs
     analysis compares them); each block's pass-through calls are put back on the edge they sit on.
     """
+    if run.period > 1:
+        raise NotLiftable(
+            f"a run of {run.length} periods of {run.period} residual sub-blocks (e.g. attention and MLP "
+            "halves) becomes one splitting stage, which is not implemented yet; its blocks stay as they are"
+        )
+    if run.glue:
+        raise NotLiftable(
+            f"its blocks are joined by layout nodes ({', '.join(run.glue)}), which a stage template does "
+            "not hold yet; its blocks stay as they are"
+        )
     nodes = {n.name: n for n in gm.graph.nodes}
     modules = dict(gm.named_modules())
     members = [{n.name for n in block_node_list(b, nodes)} for b in run.blocks]
+    _check_contained(run, set().union(*members), nodes, live_nodes(gm.graph))
     cores = [core_nodes(b, nodes, modules) for b in run.blocks]
     if len({len(core) for core in cores}) != 1:
         raise NotLiftable("the blocks' graphs differ in size; they cannot share one template")
@@ -130,7 +143,7 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
     variants: dict[str, list[nn.Module]] = {}
 
     def new_slot(base: str, kind: str, values: list[torch.Tensor]) -> fx.Node:
-        name = unique_name(base.replace(".", "_"), tensors)
+        name = unique_name(slot_name(base), tensors)
         slots.append(Slot(name, kind))
         tensors[name] = (
             values[0].detach().clone() if kind == "shared" else torch.stack([v.detach() for v in values])
@@ -190,6 +203,9 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
             return type(first)(lift_arg([v[i] for v in values], f"{path}.{i}") for i in range(len(first)))
         if isinstance(first, dict):
             return {k: lift_arg([v[k] for v in values], f"{path}.{k}") for k in first}
+        if isinstance(first, slice):  # x[:, :H] after Swin's window_reverse: H is a node
+            parts = ("start", "stop", "step")
+            return slice(*(lift_arg([getattr(v, p) for v in values], f"{path}.{p}") for p in parts))
         if isinstance(first, float) and any(v != first for v in values):
             stacked = [torch.tensor(v, dtype=model_dtype(gm)) for v in values]
             return new_slot(f"const_{path}", "buffer", stacked)
@@ -200,10 +216,12 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
     for position, node in enumerate(cores[0]):
         peers = [core[position] for core in cores]
         if node is join:
-            shortcut = next(i for i, a in enumerate(node.args) if forks[0] in identity_sources(a, modules))
+            shortcut = _shortcut_position(node, forks[0], modules)
             branch = 1 - shortcut
             branch_operand = lift_arg([p.args[branch] for p in peers], f"{node.name}.{branch}")
-            new = graph.call_function(operator.add, (x, branch_operand))  # out of place, even for iadd
+            # out of place, even for iadd; a scaled shortcut (x * s) is a node of the block
+            base = x if run.blocks[0].kind == "identity" else lift_arg([p.args[shortcut] for p in peers], "")
+            new = graph.call_function(operator.add, (base, branch_operand))
         else:
             target = add_module(peers) if node.op == "call_module" else node.target
             args = lift_arg([p.args for p in peers], f"{node.name}")
@@ -214,6 +232,40 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
     graph.output((branch_operand, env[0][cores[0][-1]]))
     template = fx.GraphModule(template_modules, graph, f"{stage_attribute(run)}_template")
     return RunParts(template, slots, tensors, variants)
+
+
+def _shortcut_position(join: fx.Node, fork: fx.Node, modules: dict[str, nn.Module]) -> int:
+    """Which operand of the join is the shortcut: the fork itself, or the fork times a scale."""
+    for position, operand in enumerate(join.args):
+        if fork in identity_sources(operand, modules):
+            return position
+    for position, operand in enumerate(join.args):
+        if any(isinstance(a, fx.Node) and fork in identity_sources(a, modules) for a in operand.args):
+            return position
+    raise NotLiftable(f"the join '{join.name}' has no shortcut from '{fork.name}'")
+
+
+def slot_name(path: str) -> str:
+    """A Python identifier for a slot, from a module path: 'conv1.weight' -> 'conv1_weight'.
+
+    Slot names are the template's argument names in emitted code, so a path that starts with an
+    ``nn.Sequential`` index ('0.weight', ConvMixer) gets a leading underscore: '_0_weight'.
+    """
+    name = re.sub(r"\W", "_", path)
+    return name if name.isidentifier() and not keyword.iskeyword(name) else f"_{name}"
+
+
+def _check_contained(run: Run, members: set[str], nodes: dict[str, fx.Node], live: set[str]) -> None:
+    """Refuse a run whose nodes feed anything outside it but through its last output.
+
+    Lifting erases the run's nodes and everything hanging off them; a live outside user (a feature
+    tap, glue between blocks) would be erased with them.
+    """
+    last = run.blocks[-1].output
+    for name in members - {last}:
+        outside = [u.name for u in nodes[name].users if u.name not in members and u.name in live]
+        if outside:
+            raise NotLiftable(f"'{name}' inside the run is also read by {', '.join(outside)} outside it")
 
 
 def _tensor_slot(new_slot, relative: str, values: list[torch.Tensor]) -> fx.Node:

@@ -10,12 +10,14 @@ is part of that branch, not a block of its own (ConvNeXt-V2's GlobalResponseNorm
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from odeify.ir.meta import tag, untag
-from odeify.ir.plan import Block
+from odeify.ir.plan import Block, BlockKind
 from odeify.passes.contract import analysis, graph_pass
 from odeify.passes.graph_utils import (
     activation_of,
@@ -26,6 +28,7 @@ from odeify.passes.graph_utils import (
     is_add_join,
     live_nodes,
     node_tensors,
+    shape_nodes,
     weight_expressions,
 )
 from odeify.passes.properties import BLOCKS, SHAPES
@@ -39,6 +42,7 @@ def find_blocks(gm: fx.GraphModule) -> list[Block]:
     """Every residual block in ``gm`` (which must carry ``tensor_meta``), in graph order."""
     graph = gm.graph
     data = data_nodes(graph)
+    shapes = shape_nodes(graph, data)
     dg = data_graph(graph, data)
     idom = nx.immediate_dominators(dg, "__root__")
     live = live_nodes(graph)
@@ -54,14 +58,17 @@ def find_blocks(gm: fx.GraphModule) -> list[Block]:
         operands = [a for a in join.args if isinstance(a, fx.Node)]
         if out_shape is None or any(node_shape(a) != out_shape for a in operands):
             continue  # broadcast add (biases, position embeddings): not a block
+        if any(a.name not in data for a in operands):
+            continue  # a tensor not computed from the batch (a position embedding at batch 1)
         fork = nodes.get(idom.get(join.name, "__root__"))
         if fork is None or node_shape(fork) is None:
             continue  # fork is a tuple (Res2Net's split) or the virtual root
         region = _region(dg, fork.name, join.name)
-        if not _single_entry_exit(region, fork, join, nodes, live, data):
+        expressions = {w.name for name in region for w in weight_expressions(nodes[name], data)}
+        if not _single_entry_exit(region, expressions & shapes, fork, join, nodes, live, data):
             continue
-        region |= {w.name for name in region for w in weight_expressions(nodes[name], data)}
-        shortcut_is_fork = any(fork in identity_sources(a, modules) for a in operands)
+        region |= expressions
+        kind = _shortcut_kind(operands, fork, modules, data)
         output, activation = _closing_activation(join, modules)
         branch = tuple(sorted(region, key=order.__getitem__))
         blocks.append(
@@ -70,8 +77,8 @@ def find_blocks(gm: fx.GraphModule) -> list[Block]:
                 fork=fork.name,
                 join=join.name,
                 output=output.name,
-                kind="identity" if shortcut_is_fork else "projection",
-                form="post" if activation else "pre",
+                kind=kind,
+                form="post" if activation or kind == "scaled" else "pre",
                 activation=activation,
                 in_shape=node_shape(fork),
                 out_shape=node_shape(output),
@@ -98,17 +105,50 @@ def _region(dg: nx.DiGraph, fork: str, join: str) -> set[str]:
 
 
 def _single_entry_exit(
-    region: set[str], fork: fx.Node, join: fx.Node, nodes: dict[str, fx.Node], live: set[str], data: set[str]
+    region: set[str],
+    shape_reads: set[str],
+    fork: fx.Node,
+    join: fx.Node,
+    nodes: dict[str, fx.Node],
+    live: set[str],
+    data: set[str],
 ) -> bool:
+    """No data enters the region but the fork's, and nothing leaves it but through the join.
+
+    ``shape_reads`` are the region's reads of tensor shapes (``B, N, C = h.shape`` in an attention
+    branch): part of the block, so their users must be inside it too.
+    """
     inside = region | {fork.name}
     for name in region:
         node = nodes[name]
         if any(inp.name not in inside for inp in node.all_input_nodes if inp.name in data):
             return False
-        for user in node.users:
-            if user.name not in region and user is not join and user.name in live:
+    owned = region | shape_reads
+    for name in owned:
+        for user in nodes[name].users:
+            if user.name not in owned and user is not join and user.name in live:
                 return False
     return True
+
+
+MUL_TARGETS = {operator.mul, torch.mul}
+
+
+def _shortcut_kind(operands: list[fx.Node], fork: fx.Node, modules: dict, data: set[str]) -> BlockKind:
+    """``identity`` when an operand is the fork (through ``nn.Identity``), ``scaled`` when it is the
+    fork times a tensor not computed from the batch (PoolFormerV2's ``res_scale``), else ``projection``."""
+    if any(fork in identity_sources(a, modules) for a in operands):
+        return "identity"
+    for operand in operands:
+        is_mul = (operand.op == "call_function" and operand.target in MUL_TARGETS) or (
+            operand.op == "call_method" and operand.target == "mul"
+        )
+        if is_mul and len(operand.args) == 2 and not operand.kwargs:
+            on_fork = [isinstance(a, fx.Node) and fork in identity_sources(a, modules) for a in operand.args]
+            scale = operand.args[on_fork.index(False)] if on_fork.count(True) == 1 else None
+            if isinstance(scale, float) or (isinstance(scale, fx.Node) and scale.name not in data):
+                return "scaled"
+    return "projection"
 
 
 def _closing_activation(join: fx.Node, modules: dict) -> tuple[fx.Node, str | None]:
@@ -133,11 +173,16 @@ def _parameter_count(branch: tuple[str, ...], nodes: dict[str, fx.Node], gm: fx.
 
 
 def _scope(branch: tuple[str, ...], nodes: dict[str, fx.Node]) -> str:
-    """The module path the block lives under (for display and stage names), from its parameter paths."""
+    """The module path the block lives under (for display and stage names), from its parameter paths.
+
+    Tensors fx made constants of (``_tensor_constant0``: Swin's relative position index) belong to
+    no module and are left out.
+    """
     paths = []
     for name in branch:
         node = nodes[name]
-        paths.extend(inp.target.split(".") for inp in _own_attributes(node))
+        owned = (inp.target for inp in _own_attributes(node) if not inp.target.startswith("_tensor_constant"))
+        paths.extend(target.split(".") for target in owned)
     return ".".join(common_prefix(paths))
 
 

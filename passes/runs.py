@@ -1,8 +1,10 @@
-"""Analysis pass: group identity blocks into runs of same-shape, isomorphic blocks.
+"""Analysis pass: group identity blocks into runs of same-shape, isomorphic blocks, or of periods.
 
-A run is a maximal chain of identity blocks, each fed by the previous block's output (and that
-output used by nothing else), with equal shapes, the same form and activation, isomorphic branch
-graphs and equal parameter shapes, including tensors read directly through ``get_attr``.
+A run of period 1 is a maximal chain of identity (or scaled-shortcut) blocks, each fed by the
+previous block's output (and that output used by nothing else live), with equal shapes, the same
+form and activation, isomorphic branch graphs and equal parameter shapes, including tensors read
+directly through ``get_attr``. Blocks left alone by that (a transformer's attention and MLP halves
+alternate) are grouped by :mod:`odeify.passes.periods` into runs of period p > 1.
 
 Pass-through calls (``nn.Identity``, dropout, timm's ``DropPath``) are not part of the comparison:
 timm builds a ``DropPath`` only where a block's drop rate is above 0 and ``nn.Identity`` (or
@@ -23,7 +25,16 @@ from torch import nn
 from odeify.ir.meta import tag
 from odeify.ir.plan import Block, Discrete, Run
 from odeify.passes.contract import analysis, graph_pass
-from odeify.passes.graph_utils import common_prefix, fetch_attr, is_pass_through, module_config, unique_name
+from odeify.passes.graph_utils import (
+    common_prefix,
+    describe_arg,
+    describe_target,
+    fetch_attr,
+    is_pass_through,
+    live_nodes,
+    unique_name,
+)
+from odeify.passes.periods import find_periods
 from odeify.passes.properties import BLOCKS, RUNS
 
 GROUP_RUNS = analysis("group_runs", requires={BLOCKS}, ensures={RUNS})
@@ -72,46 +83,30 @@ def block_signature(block: Block, gm: fx.GraphModule) -> tuple:
     core = core_nodes(block, nodes, modules)
     position = {n.name: i for i, n in enumerate(core)}
 
-    def describe(arg):
-        if isinstance(arg, fx.Node):
-            arg, _ = pass_through_source(arg, members, modules)
-            if arg.name == block.fork:
-                return ("x",)
-            if arg.name in position:
-                return ("n", position[arg.name])
-            if arg.op == "get_attr":
-                value = fetch_attr(gm, arg.target)
-                if isinstance(value, torch.Tensor):
-                    return ("attr", tuple(value.shape), str(value.dtype))
-            return ("outside", arg.name)
-        if isinstance(arg, (tuple, list)):
-            return (type(arg).__name__, tuple(describe(a) for a in arg))
-        if isinstance(arg, dict):
-            return ("dict", tuple((k, describe(v)) for k, v in sorted(arg.items())))
-        if isinstance(arg, float):
-            return ("float",)
-        return ("lit", repr(arg))
+    def refer(arg: fx.Node) -> tuple:
+        arg, _ = pass_through_source(arg, members, modules)
+        if arg.name == block.fork:
+            return ("x",)
+        if arg.name in position:
+            return ("n", position[arg.name])
+        if arg.op == "get_attr":
+            value = fetch_attr(gm, arg.target)
+            if isinstance(value, torch.Tensor):
+                return ("attr", tuple(value.shape), str(value.dtype))
+        return ("outside", arg.name)
 
-    signature = []
-    for node in core:
-        if node.op == "call_module":
-            module = modules[node.target]
-            tensors = [*module.named_parameters(), *module.named_buffers()]
-            shapes = tuple((n, tuple(t.shape)) for n, t in tensors)
-            target = ("module", module_config(module), shapes)
-        elif node.op == "call_function":
-            function = node.target
-            target = ("function", getattr(function, "__module__", ""), getattr(function, "__name__", ""))
-        else:
-            target = (node.op, str(node.target))
-        signature.append((target, describe(node.args), describe(node.kwargs)))
+    signature = [
+        (describe_target(node, modules), describe_arg(node.args, refer), describe_arg(node.kwargs, refer))
+        for node in core
+    ]
     return tuple(signature)
 
 
 @graph_pass(GROUP_RUNS)
 def group_runs(gm: fx.GraphModule, blocks: Sequence[Block]) -> tuple[list[Run], list[Discrete]]:
-    """Chain identity blocks into runs; every other block stays discrete, with the reason."""
+    """Chain identity blocks into runs of period 1 or p; every other block stays discrete, with why."""
     nodes = {n.name: n for n in gm.graph.nodes}
+    live = live_nodes(gm.graph)
     memo: dict[tuple[int, str], tuple] = {}
 
     def signature(block: Block) -> tuple:
@@ -123,19 +118,23 @@ def group_runs(gm: fx.GraphModule, blocks: Sequence[Block]) -> tuple[list[Run], 
     chains: list[list[Block]] = []
     discrete: list[Discrete] = []
     for block in blocks:
-        if block.kind != "identity":
+        if block.kind == "projection":
             discrete.append(Discrete(block, "projection shortcut: the block changes shape or transforms x"))
             continue
         previous = chains[-1][-1] if chains else None
         candidates = [block]
-        if previous is not None and previous.form == "pre" and block.form == "post":
+        if previous is not None and previous.form == "pre" and block.activation is not None:
             # The last pre-activation block of a stage looks post-activation when the next stage
             # starts with an activation (NF-ResNet): read it as its neighbours are read.
             candidates.insert(0, as_pre_activation(block, nodes))
-        joined = previous is not None and _extend(chains[-1], candidates, signature, nodes)
+        joined = previous is not None and _extend(chains[-1], candidates, signature, nodes, live)
         if not joined:
             chains.append([block])
-    runs = [Run(name, tuple(chain)) for name, chain in zip(_run_names(chains), chains, strict=True)]
+    groups = find_periods(gm, chains, signature)
+    runs = [
+        Run(name, group.blocks, group.period, group.glue)
+        for name, group in zip(_run_names([list(g.blocks) for g in groups]), groups, strict=True)
+    ]
     for run in runs:
         for block in run.blocks:
             for name in (*block.nodes, block.join, block.output):
@@ -148,10 +147,11 @@ def _extend(
     candidates: list[Block],
     signature: Callable[[Block], tuple],
     nodes: dict[str, fx.Node],
+    live: set[str],
 ) -> bool:
     """Append the first candidate reading of a block that continues ``chain``; False if none does."""
     for candidate in candidates:
-        if _continues(chain[-1], candidate, signature, nodes):
+        if _continues(chain[-1], candidate, signature, nodes, live):
             chain.append(candidate)
             return True
     return False
@@ -167,12 +167,18 @@ def as_pre_activation(block: Block, nodes: dict[str, fx.Node]) -> Block:
 
 
 def _continues(
-    previous: Block, block: Block, signature: Callable[[Block], tuple], nodes: dict[str, fx.Node]
+    previous: Block,
+    block: Block,
+    signature: Callable[[Block], tuple],
+    nodes: dict[str, fx.Node],
+    live: set[str],
 ) -> bool:
+    """``block`` reads ``previous``'s output, which nothing else uses (dead side chains aside), and
+    computes the same function: it extends ``previous``'s period-1 run."""
     if block.fork != previous.output or block.in_shape != previous.out_shape:
         return False
     allowed = set(block.nodes) | {block.join}
-    if any(user.name not in allowed for user in nodes[previous.output].users):
+    if any(user.name not in allowed and user.name in live for user in nodes[previous.output].users):
         return False  # the intermediate state is used elsewhere (a feature tap): cannot be integrated away
     return signature(block) == signature(previous)
 

@@ -10,10 +10,16 @@ Leaf policy (which modules stay opaque ``call_module`` nodes):
   have the training flag frozen into the graph;
 * except the parameterised layers in :data:`TRACE_THROUGH`, which are traced into functional calls
   so their weights appear as ``get_attr`` nodes that later passes can rewrite.
+
+Optional forward arguments are traced at their defaults (timm's ``VisionTransformer.forward(x,
+attn_mask=None, is_causal=False)``): traced as placeholders they would be symbolic values that every
+attention reads (``if attn_mask is not None`` takes the masked path), so each attention's residual
+add would be dominated by two inputs and not be found. The traced module takes the input alone.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +29,7 @@ from torch import nn
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import TraceError
 from odeify.passes.contract import analysis, graph_pass, transformation
+from odeify.passes.graph_utils import live_nodes
 from odeify.passes.properties import SHAPES
 
 TRACE_THROUGH: tuple[type[nn.Module], ...] = (
@@ -76,11 +83,42 @@ def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> fx.
     """Symbolically trace ``model``; on failure say which code FX choked on and what to do."""
     tracer = ResidualTracer(extra_leaves)
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=optional_defaults(model) or None)
     except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
         raise TraceError(_untraceable_message(model, exc)) from exc
+    _drop_unused_inputs(graph)
     name = type(model).__name__
     return fx.GraphModule(tracer.root, graph, name)
+
+
+def optional_defaults(model: nn.Module) -> dict[str, object]:
+    """The default of every optional ``forward`` argument after the input: what tracing fixes them to."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature (C extension)
+        return {}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: p.default for p in parameters[1:] if p.kind in named and p.default is not p.empty}
+
+
+def _drop_unused_inputs(graph: fx.Graph) -> None:
+    """Erase the placeholders after the first that reach no output, with their dead users.
+
+    fx keeps a placeholder for an argument traced at a fixed value and checks it with a
+    ``torch._assert`` side chain; the traced module computes the model at that value, so both go.
+    """
+    live = live_nodes(graph)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    doomed: set[fx.Node] = set()
+    stack = [node for node in placeholders[1:] if node.name not in live]
+    while stack:
+        node = stack.pop()
+        if node not in doomed:
+            doomed.add(node)
+            stack.extend(node.users)
+    for node in sorted(doomed, key=order.__getitem__, reverse=True):
+        graph.erase_node(node)
 
 
 def _untraceable_message(model: nn.Module, exc: Exception) -> str:

@@ -24,7 +24,7 @@ from odeify.compiler.analysis import analyze_graph, trace_and_annotate
 from odeify.core.errors import ModelLoadError, NoResidualBlocksError, TraceError
 from odeify.ir.meta import NodeTag, node_tag
 from odeify.ir.plan import Plan, Run
-from odeify.passes.graph_utils import live_nodes
+from odeify.passes.graph_utils import data_nodes, live_nodes
 from odeify.passes.residual_blocks import find_blocks
 from odeify.passes.runs import block_node_list
 
@@ -49,17 +49,22 @@ class _Recorder(fx.Interpreter):
 def run_module(gm: fx.GraphModule, run: Run) -> fx.GraphModule:
     """The run as its own module: the first fork becomes the placeholder, the last output the result.
 
-    Fails if a node of the run reads a value computed outside the run (other than parameters), or
-    if a value computed inside the run is used outside it (other than the last output).
+    The run's nodes are its blocks' and its glue (the layout nodes between the sub-blocks of a
+    period, and after the last one when a period ends in glue); the shape reads they use are copied
+    along. Fails if a node of the run reads a value computed outside the run (other than parameters
+    and shape reads), or if a value computed inside the run is used outside it (but the last).
     """
     nodes = {n.name: n for n in gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    members = sorted({m.name for b in run.blocks for m in block_node_list(b, nodes)}, key=order.__getitem__)
-    last = run.blocks[-1].output
+    members = {m.name for b in run.blocks for m in block_node_list(b, nodes)} | set(run.glue)
+    members = sorted(members, key=order.__getitem__)
+    last = members[-1]
     live = live_nodes(gm.graph)
+    data = data_nodes(gm.graph)
     for name in members:
         if name != last:
             leaks = [u.name for u in nodes[name].users if u.name not in members and u.name in live]
+            leaks = [u for u in leaks if u in data]  # a shape read of an inner value may go anywhere
             assert not leaks, f"run {run.name}: {name} is also used by {leaks} outside the run"
 
     graph = fx.Graph()
@@ -67,8 +72,11 @@ def run_module(gm: fx.GraphModule, run: Run) -> fx.GraphModule:
 
     def lookup(arg: fx.Node) -> fx.Node:
         if arg not in env:
-            assert arg.op == "get_attr", f"run {run.name} reads {arg.name}, computed outside the run"
-            env[arg] = graph.get_attr(arg.target)
+            if arg.op == "get_attr":
+                env[arg] = graph.get_attr(arg.target)
+            else:  # a shape read (x.shape[0]) of a value the run has
+                assert arg.name not in data, f"run {run.name} reads {arg.name}, computed outside the run"
+                env[arg] = graph.node_copy(arg, lookup)
         return env[arg]
 
     for name in members:
@@ -83,7 +91,7 @@ def check_runs_extract_exactly(model: nn.Module, shape: tuple[int, ...], seed: i
     with torch.no_grad():
         gm = trace_and_annotate(model, shape)
         plan = analyze_graph(gm, type(model).__name__, shape)
-        ends = {name for run in plan.runs for name in (run.blocks[0].fork, run.blocks[-1].output)}
+        ends = {name for run in plan.runs for name in (run.blocks[0].fork, _last(gm, run))}
         x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=_dtype(model))
         recorder = _Recorder(gm, ends)
         out = recorder.run(x)
@@ -93,11 +101,17 @@ def check_runs_extract_exactly(model: nn.Module, shape: tuple[int, ...], seed: i
         for run in plan.runs:
             fork = recorder.values[run.blocks[0].fork]
             result = run_module(gm, run)(fork.clone())
-            expected = recorder.values[run.blocks[-1].output]
+            expected = recorder.values[_last(gm, run)]
             assert result.shape == expected.shape == fork.shape
             assert (result - expected).abs().max().item() == 0.0, run.name
             assert not torch.equal(result, fork), run.name  # the run does something
     return plan
+
+
+def _last(gm: fx.GraphModule, run: Run) -> str:
+    """The node a run's value leaves by: its last block's output, or the glue after it."""
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    return max([run.blocks[-1].output, *run.glue], key=order.__getitem__)
 
 
 def _flat(out: torch.Tensor | tuple) -> list[torch.Tensor]:
@@ -428,6 +442,250 @@ def test_add_with_alpha(alpha: float, blocks: int) -> None:
     model = _seeded(Net(AlphaBlock(8, alpha), AlphaBlock(8, alpha)))
     gm = trace_and_annotate(model, (1, 3, 8, 8))
     assert len(find_blocks(gm)) == blocks
+
+
+# --- scaled shortcuts, dead reads at block boundaries, slices ---------------------------------------------
+
+
+class ScaledBlock(PreBlock):
+    """PoolFormerV2's ``res_scale``: ``x * s + f(x)`` with a learned per-channel scale ``s``."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__(c)
+        self.scale = nn.Parameter(torch.ones(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.view(1, -1, 1, 1) + self.conv2(
+            F.relu(self.bn2(self.conv1(F.relu(self.bn1(x)))))
+        )
+
+
+class DeviceReadBlock(PreBlock):
+    """LeViT's attention reads ``x.device`` (to key a cache) and the trace never uses the read."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.key = str(x.device)
+        return super().forward(x)
+
+
+class CropBlock(PreBlock):
+    """Pads its branch and crops it back with the input's size: ``h[:, :, :H, :W]``, H and W nodes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.pad(self.conv1(F.relu(self.bn1(x))), (0, 1, 0, 1))
+        return x + h[:, :, : x.shape[2], : x.shape[3]]
+
+
+def test_scaled_shortcut_is_not_a_projection() -> None:
+    model = _seeded(Net(ScaledBlock(8), ScaledBlock(8)))
+    gm, plan = analyzed(model)
+    assert [(b.kind, b.form, b.activation) for b in plan.blocks] == [("scaled", "post", None)] * 2
+    scale_reads = [n.name for n in gm.graph.nodes if n.op == "call_method" and n.target == "view"]
+    assert all(read in block.nodes for read, block in zip(scale_reads, plan.blocks, strict=True))
+    assert plan.run_lengths == [2] and not plan.discrete
+    check_runs_extract_exactly(model, (2, 3, 8, 8))
+
+
+def test_dead_read_at_a_block_boundary_keeps_the_run() -> None:
+    """The unused ``x.device`` node is a user of each block's input: it must not break the run."""
+    model = _seeded(Net(*(DeviceReadBlock(8) for _ in range(3))))
+    gm, plan = analyzed(model)
+    reads = [n for n in gm.graph.nodes if n.target is getattr and n.args[1] == "device"]
+    assert len(reads) == 3 and not any(n.users for n in reads)
+    assert plan.run_lengths == [3]
+    check_runs_extract_exactly(model, (2, 3, 8, 8))
+
+
+def test_slices_holding_nodes_compare_by_structure() -> None:
+    """``h[:, :, :H]`` with H = x.shape[2]: the slice's repr names nodes, which differ per block."""
+    model = _seeded(Net(CropBlock(8), CropBlock(8)))
+    gm, plan = analyzed(model)
+    assert plan.run_lengths == [2]
+    check_runs_extract_exactly(model, (2, 3, 8, 8))
+
+
+def test_position_embedding_add_is_not_a_block_at_batch_1() -> None:
+    """``x + pos_embed`` has two operands of one shape at batch 1, but pos_embed is no batch value."""
+
+    class Embedded(Net):
+        def __init__(self) -> None:
+            super().__init__(PreBlock(8), PreBlock(8))
+            self.pos_embed = nn.Parameter(torch.randn(1, 8, 8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks(self.stem(x) + self.pos_embed).mean((2, 3))
+
+    model = _seeded(Embedded())
+    for batch in (1, 2):
+        _, plan = analyzed(model, (batch, 3, 8, 8))
+        assert plan.run_lengths == [2]  # the two PreBlocks, not the embedding
+    check_runs_extract_exactly(model, (1, 3, 8, 8))
+
+
+# --- periods: alternating sub-blocks, glue between them -----------------------------------------------
+
+
+class ChannelBlock(nn.Module):
+    """``x + conv1x1(relu(x))``: a second kind of block to alternate with PreBlock (attention / MLP)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(F.relu(x))
+
+
+def alternating(pairs: int, extra: tuple[nn.Module, ...] = ()) -> nn.Module:
+    blocks = [b for _ in range(pairs) for b in (PreBlock(8), ChannelBlock(8))]
+    return _seeded(Net(*blocks, *extra))
+
+
+@pytest.mark.parametrize(
+    ("pairs", "extra", "lengths", "periods"),
+    [
+        (3, (), [3], [2]),
+        (1, (), [1, 1], [1, 1]),  # one period is no run: nothing repeats
+        (2, ("pre",), [2, 1], [2, 1]),  # A M A M A: two periods from the start, then the last half
+        (2, ("pre", "pre"), [2, 2], [2, 1]),  # A M A M A A: then a period-1 run of two
+    ],
+)
+def test_alternating_blocks_group_by_period(pairs: int, extra: tuple, lengths: list, periods: list) -> None:
+    model = alternating(pairs, tuple(PreBlock(8) for _ in extra))
+    gm, plan = analyzed(model)
+    assert (plan.run_lengths, plan.run_periods) == (lengths, periods)
+    for run in plan.runs:
+        assert len(run.blocks) == run.length * run.period
+        for previous, block in zip(run.blocks, run.blocks[1:], strict=False):
+            assert block.fork == previous.output  # no glue between these
+        for block in run.blocks:
+            assert all(meta(gm, name)["run"] == run.name for name in (*block.nodes, block.join))
+    check_runs_extract_exactly(model, (2, 3, 8, 8))
+
+
+def test_a_period_does_not_join_a_run_of_one_block_kind() -> None:
+    """A ResNet stage is one period-1 run, even when an even number of blocks could be read as period 2."""
+    _, plan = analyzed(_seeded(Net(*(PreBlock(8) for _ in range(4)))))
+    assert (plan.run_lengths, plan.run_periods) == ([4], [1])
+
+
+class TokenPair(nn.Module):
+    """Swin's pattern: ``x + f(x)`` on (B, H, W, C), reshaped to tokens (B, H*W, C) for ``x + g(x)``,
+    then reshaped back with the shape read at the pair's input."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(c, c), nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        x = x + F.relu(self.f(x))
+        x = x.reshape(B, -1, C)
+        x = x + torch.tanh(self.g(x))
+        return x.reshape(B, H, W, C)
+
+
+class TokenNet(nn.Module):
+    def __init__(self, pairs: int) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*(TokenPair(8) for _ in range(pairs)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.stem(x).permute(0, 2, 3, 1)).mean((1, 2))
+
+
+def test_glue_between_sub_blocks_belongs_to_the_period() -> None:
+    model = _seeded(TokenNet(3))
+    gm, plan = analyzed(model)
+    assert (plan.run_lengths, plan.run_periods) == ([3], [2])
+    (run,) = plan.runs
+    reshapes = [n.name for n in gm.graph.nodes if n.op == "call_method" and n.target == "reshape"]
+    assert run.glue == tuple(reshapes)  # both reshapes of every pair, the last one's trailing one too
+    assert [b.in_shape for b in run.blocks[:2]] == [(1, 8, 8, 8), (1, 64, 8)]
+    check_runs_extract_exactly(model, (2, 3, 8, 8))
+
+
+def test_a_tap_between_sub_blocks_breaks_the_period() -> None:
+    """The token state after a pair's first half is returned too: that period cannot be integrated."""
+
+    class Tapped(TokenNet):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = self.stem(x).permute(0, 2, 3, 1)
+            tap = x + F.relu(self.blocks[0].f(x))
+            B, H, W, C = x.shape
+            x = tap.reshape(B, -1, C)
+            x = (x + torch.tanh(self.blocks[0].g(x))).reshape(B, H, W, C)
+            for pair in self.blocks[1:]:
+                x = pair(x)
+            return x.mean((1, 2)), tap.mean((1, 2))
+
+    _, plan = analyzed(_seeded(Tapped(3)))
+    assert (plan.run_lengths, plan.run_periods) == ([1, 1, 2], [1, 1, 2])
+
+
+def test_a_shape_read_leaving_the_period_breaks_it() -> None:
+    """The head reads the token count of the first pair's inner state: that period cannot be integrated."""
+
+    class ShapeTapped(TokenNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x).permute(0, 2, 3, 1)
+            B, H, W, C = x.shape
+            tokens = (x + F.relu(self.blocks[0].f(x))).reshape(B, -1, C)
+            count = tokens.shape[1]  # read inside the period, used by the head
+            x = (tokens + torch.tanh(self.blocks[0].g(tokens))).reshape(B, H, W, C)
+            for pair in self.blocks[1:]:
+                x = pair(x)
+            return x.mean((1, 2)) * count
+
+    _, plan = analyzed(_seeded(ShapeTapped(3)))
+    assert (plan.run_lengths, plan.run_periods) == ([1, 1, 2], [1, 1, 2])
+
+
+class GluedBlock(PreBlock):
+    """``(x + f(x)).contiguous()``: identical blocks with a layout node between each two."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).contiguous()
+
+
+def test_identical_blocks_with_glue_are_one_run_of_period_1() -> None:
+    """Four blocks could be read as two periods of two; the smaller period wins the tie."""
+    _, plan = analyzed(_seeded(Net(*(GluedBlock(8) for _ in range(4)))))
+    assert (plan.run_lengths, plan.run_periods) == ([4], [1])
+    assert len(plan.runs[0].glue) == 4  # after each block, the last one's trailing one too
+
+
+# --- the analysis never changes the caller's model -----------------------------------------------------
+
+
+class CachingBlock(PreBlock):
+    """Caches a tensor per device, as LeViT's attention caches its biases: traced, it would cache a Proxy."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__(c)
+        self.gain = nn.Parameter(torch.ones(c, 1, 1))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key = str(x.device)
+        if key not in self.cache:
+            self.cache[key] = self.gain * 2
+        return x + self.conv2(F.relu(self.bn2(self.conv1(F.relu(self.bn1(x)))))) * self.cache[key]
+
+
+def test_analyze_leaves_the_callers_model_alone(tmp_path) -> None:
+    model = _seeded(Net(CachingBlock(8), CachingBlock(8))).train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = odeify.analyze(model, (1, 3, 8, 8))
+    assert plan.run_lengths == [2]
+    assert [block.cache for block in model.blocks] == [{}, {}]  # no Proxy left behind
+    assert model.training  # analysed in eval mode, but as a copy
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+    torch.save(other, tmp_path / "w.pth")
+    odeify.analyze(model, (1, 3, 8, 8), checkpoint=tmp_path / "w.pth")
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # loaded into a copy
 
 
 # --- bad input --------------------------------------------------------------------------------------------

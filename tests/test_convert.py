@@ -369,3 +369,124 @@ def test_adjacent_runs_are_both_lifted(image) -> None:
     x = image(shape, dtype=torch.float64)
     with torch.no_grad():
         assert relative_error(converted(x), net(x)) <= 1e-12
+
+
+# --- blocks beyond the ResNet family: scaled shortcuts, Sequential slot names, slices, periods -------
+
+
+class _ScaledBlock(nn.Module):
+    """PoolFormerV2's ``res_scale``: ``x * s + f(x)``; its ODE field is ``block(x) - x``, not ``f(x)``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.BatchNorm2d(channels)
+        self.scale = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.view(1, -1, 1, 1) + self.norm(self.conv(torch.relu(x)))
+
+
+class _SequentialResidual(nn.Module):
+    """ConvMixer's ``Residual(nn.Sequential(conv, act, bn))``: parameter paths start with an index."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.fn = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, groups=channels), nn.GELU(), nn.BatchNorm2d(channels)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fn(x)
+
+
+class _CropBlock(nn.Module):
+    """Pads its branch and crops it back to the input's size: a slice holds fx nodes (Swin)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.pad(self.conv(torch.relu(x)), (0, 1, 0, 1))
+        return x + h[:, :, : x.shape[2], : x.shape[3]]
+
+
+class _Stack(nn.Module):
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.stem(x)).mean((2, 3))
+
+
+def _randomized(net: nn.Module) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for module in net.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.normal_().mul_(0.1)
+                module.running_var.uniform_(0.5, 1.5)
+            if isinstance(module, _ScaledBlock):
+                module.scale.data.uniform_(0.5, 1.5)
+    return net.double().eval()
+
+
+STACK_SHAPE = (2, 3, 8, 8)
+
+
+def test_scaled_shortcut_converts_with_the_field_block_minus_x(image) -> None:
+    """Native: exact. Twice the steps: each Euler step is x + (block_k(x) - x) / 2, by hand on eager."""
+    net = _randomized(_Stack(*(_ScaledBlock(8) for _ in range(3))))
+    x = image(STACK_SHAPE, dtype=torch.float64)
+    native = odeify.convert(net, input_size=STACK_SHAPE)
+    assert [(s.stage_name, s.depth, s.form) for s in converted_stages(native)] == [("blocks", 3, "post")]
+    doubled = odeify.retarget(native, steps="x2")
+    with torch.no_grad():
+        assert relative_error(native(x), net(x)) <= FP64_TOLERANCE
+        h = net.stem(x)
+        for block in net.blocks:
+            for _ in range(2):
+                h = h + 0.5 * (block(h) - h)
+        want = h.mean((2, 3))
+        assert relative_error(doubled(x), want) <= FP64_TOLERANCE
+        assert relative_error(want, net(x)) > 1e-3  # the manifestation does differ from the network
+
+
+def test_sequential_indices_become_identifier_slot_names(image) -> None:
+    """ConvMixer's slots were '0_weight', a SyntaxError in the generated template."""
+    net = _randomized(_Stack(*(_SequentialResidual(8) for _ in range(3))))
+    converted = odeify.convert(net, input_size=STACK_SHAPE)
+    (stage,) = converted_stages(converted)
+    assert stage.depth == 3 and all(slot.name.isidentifier() for slot in stage.slots)
+    assert "_0_weight" in {slot.name for slot in stage.slots}
+    x = image(STACK_SHAPE, dtype=torch.float64)
+    with torch.no_grad():
+        assert relative_error(converted(x), net(x)) <= FP64_TOLERANCE
+    assert "_0_weight" in odeify.model_code(odeify.retarget(converted, backward="checkpoint"))
+
+
+def test_slices_holding_nodes_are_lifted_into_the_template(image) -> None:
+    net = _randomized(_Stack(*(_CropBlock(8) for _ in range(3))))
+    converted = odeify.convert(net, input_size=STACK_SHAPE)
+    assert [s.depth for s in converted_stages(converted)] == [3]
+    x = image(STACK_SHAPE, dtype=torch.float64)
+    with torch.no_grad():
+        assert relative_error(converted(x), net(x)) <= FP64_TOLERANCE
+        assert relative_error(odeify.retarget(converted, steps="x2")(x), net(x)) > 1e-3
+
+
+def test_a_run_of_period_2_stays_as_it_is_with_the_reason(image) -> None:
+    """Splitting stages are not built yet: the alternating blocks are left in place, exactly."""
+    net = _randomized(_Stack(*(b for _ in range(3) for b in (_ScaledBlock(8), _CropBlock(8)))))
+    plan = odeify.analyze(net, input_size=STACK_SHAPE)
+    assert [(r.name, r.length, r.period) for r in plan.runs] == [("blocks", 3, 2)]
+    converted = odeify.convert(net, input_size=STACK_SHAPE)
+    assert not converted_stages(converted)
+    (why,) = converted.meta["odeify"]["not_lifted"].values()
+    assert "3 periods of 2" in why and "splitting stage" in why
+    x = image(STACK_SHAPE, dtype=torch.float64)
+    with torch.no_grad():
+        assert relative_error(converted(x), net(x)) <= FP64_TOLERANCE

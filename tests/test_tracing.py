@@ -10,8 +10,9 @@ import torch.fx as fx
 from timm.layers import DropPath
 from torch import nn
 
-from odeify.core.errors import TraceError
-from odeify.passes.tracing import annotate_shapes, node_shape, suggest_names, trace
+import odeify
+from odeify.core.errors import TraceError, did_you_mean
+from odeify.passes.tracing import annotate_shapes, node_shape, trace
 
 SHAPE = (2, 3, 64, 64)  # batch 2: train-mode BatchNorm needs more than one value per channel
 
@@ -176,6 +177,47 @@ def test_untraceable_module_is_named() -> None:
     assert "body.1" in message and "Picky" in message and "leaf" in message
 
 
-def test_suggest_names() -> None:
-    assert suggest_names("resnet5", ["resnet50", "resnet18", "vgg11"])[0] == "resnet50"
-    assert suggest_names("zzzz", ["resnet50"]) == []
+def test_did_you_mean_names_the_closest_names() -> None:
+    assert did_you_mean("resnet5", ["resnet50", "resnet18", "vgg11"]).startswith(" Did you mean: resnet50")
+    assert did_you_mean("zzzz", ["resnet50"]) == ""
+
+
+class _MaskableBlock(nn.Module):
+    """``x + f(x)``, where ``f`` multiplies by a mask when one is given (as timm's attention does)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.conv(torch.relu(x))
+        if mask is not None:
+            h = h * mask
+        return x + h
+
+
+class _MaskableNet(nn.Module):
+    """timm's ViT signature: ``forward(x, attn_mask=None, is_causal=False)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(_MaskableBlock(8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x, attn_mask)
+        return x.flip(1) if is_causal else x
+
+
+def test_optional_arguments_are_traced_at_their_defaults(image) -> None:
+    """Traced as placeholders, ``attn_mask`` would enter every branch and hide every block."""
+    model = _MaskableNet().eval()
+    gm = trace(model)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and "assert" in str(n.target)]
+    x = image((2, 3, 8, 8))
+    with torch.no_grad():
+        assert torch.equal(gm(x), model(x))
+    assert odeify.analyze(model, (1, 3, 8, 8)).run_lengths == [3]

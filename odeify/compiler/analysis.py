@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,6 +59,21 @@ def validate_leaf_modules(leaf_modules: object) -> None:
         )
 
 
+def analysis_copy(model: nn.Module, copy_tensors: bool = False) -> nn.Module:
+    """A copy of ``model`` to analyse: tracing and loading may change a module, the caller's never.
+
+    Tracing runs the model's Python code with symbolic values, and that code may keep them: LeViT's
+    attention caches its position biases per device in a dict, and a trace would leave fx Proxies
+    there; loading puts a module in eval mode. The copy has its own modules and Python state but
+    shares the parameter and buffer tensors (no memory for the weights, which nothing here
+    writes), unless ``copy_tensors`` (a checkpoint is about to be loaded into it).
+    """
+    if copy_tensors:
+        return copy.deepcopy(model)
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo=shared)
+
+
 def trace_and_annotate(
     model: nn.Module, input_shape: Sequence[int], leaf_modules: Sequence[type[nn.Module]] = ()
 ) -> fx.GraphModule:
@@ -81,8 +97,11 @@ def analyze(
     """Trace ``model`` (a module, timm name or checkpoint path) and return its residual Plan.
 
     ``input_size`` is ``(N, C, H, W)`` or ``(C, H, W)``; by default the model's pretrained config.
+    A module is never changed: it is analysed as a copy (see :func:`analysis_copy`).
     """
     validate_leaf_modules(leaf_modules)
+    if isinstance(model, nn.Module):
+        model = analysis_copy(model, copy_tensors=load_kwargs.get("checkpoint") is not None)
     module, name = resolve_model(model, **load_kwargs)
     shape = input_shape_for(module, input_size)
     job = Job(source=module, name=name, input_shape=shape, leaf_modules=leaf_modules)

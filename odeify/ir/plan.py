@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-BlockKind = Literal["identity", "projection"]
+BlockKind = Literal["identity", "scaled", "projection"]
 BlockForm = Literal["post", "pre"]
 
 
@@ -17,9 +17,14 @@ BlockForm = Literal["post", "pre"]
 class Block:
     """One residual block found in the graph: ``output = close(join(fork, branch(fork)))``.
 
-    ``form`` is ``post`` when an activation follows the join (v1 ResNets: the activation closes
-    the block) and ``pre`` when the join is the block output (pre-activation ResNetV2, NF-ResNet).
-    ``nodes`` are the branch nodes between fork and join, in graph order.
+    ``kind`` is ``identity`` when the shortcut is the fork itself, ``scaled`` when it is the fork
+    times a learned per-channel scale (PoolFormerV2's ``res_scale``: ``x * s + f(x)``), else
+    ``projection``. ``form`` is ``post`` when the block's output is not ``x + f(x)``: an activation
+    follows the join (v1 ResNets: the activation closes the block) or the shortcut is scaled; the
+    ODE field is then ``block(x) - x``. It is ``pre`` when the join ``x + f(x)`` is the block output
+    (pre-activation ResNetV2, NF-ResNet, transformer halves) and the field is ``f(x)``.
+    ``nodes`` are the branch nodes between fork and join, in graph order (for a scaled block, the
+    shortcut's scaling too).
     """
 
     index: int
@@ -38,14 +43,26 @@ class Block:
 
 @dataclass(frozen=True)
 class Run:
-    """A maximal chain of same-shape identity blocks, each fed by the previous block's output."""
+    """A maximal chain of identity blocks, each fed by the previous one's output, that repeat.
+
+    With ``period`` 1 the blocks are isomorphic (a ResNet stage): the run becomes one ODE stage of
+    ``length`` blocks. With ``period`` p > 1 the run is ``length`` repetitions of p consecutive
+    sub-blocks whose signatures repeat (a transformer's attention and MLP halves: p = 2; Swin's
+    unshifted and shifted attention with their MLPs: p = 4), the form of a splitting scheme
+    dx/dt = F_1 + ... + F_p; ``convert`` does not lift such runs yet. ``glue`` names the
+    parameter-free layout nodes (reshapes) between consecutive sub-blocks, and after the last one
+    when a period ends in glue, in graph order: they belong to the period (Swin).
+    """
 
     name: str
     blocks: tuple[Block, ...]
+    period: int = 1
+    glue: tuple[str, ...] = ()
 
     @property
     def length(self) -> int:
-        return len(self.blocks)
+        """The run's depth: blocks for period 1, repetitions of the period otherwise."""
+        return len(self.blocks) // self.period
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -61,7 +78,8 @@ class Run:
 
     @property
     def parameters_per_block(self) -> int:
-        return self.blocks[0].parameters
+        """Parameters of one block (of one period, for period > 1): what one knot holds."""
+        return sum(block.parameters for block in self.blocks[: self.period])
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,10 @@ class Plan:
     def run_lengths(self) -> list[int]:
         return [run.length for run in self.runs]
 
+    @property
+    def run_periods(self) -> list[int]:
+        return [run.period for run in self.runs]
+
     def run(self, name: str) -> Run:
         for run in self.runs:
             if run.name == name:
@@ -101,11 +123,13 @@ class Plan:
                 {
                     "name": run.name,
                     "length": run.length,
+                    "period": run.period,
                     "form": run.form,
                     "activation": run.activation,
                     "shape": list(run.shape),
                     "parameters_per_block": run.parameters_per_block,
                     "blocks": [_block_dict(b) for b in run.blocks],
+                    "glue": list(run.glue),
                 }
                 for run in self.runs
             ],

@@ -32,9 +32,12 @@ def make_test_model(
     timm zero-inits the last norm of each residual branch by default, which turns every block into
     an identity and lets wrong code pass. Here: ``zero_init_last=False`` where the constructor takes
     it, BN running stats and affine parameters randomised (mean ~ N(0, 0.1^2), var and weight in
-    [0.5, 1.5], bias ~ N(0, 0.1^2)), and any remaining all-zero non-bias parameter (NF-ResNet skipinit
-    gains, zeroed norm or conv weights) re-randomised. Deterministic in ``seed``; the global RNG is
-    left untouched. Randomised in float32, then converted to ``dtype`` (so fp64 = upcast fp32).
+    [0.5, 1.5], bias ~ N(0, 0.1^2)), every per-channel scale filled with one constant re-drawn in
+    [0.5, 1.5] (LayerScale gammas, 1e-6 in ConvNeXt and 1e-5 in CaiT, would make each branch
+    vanish; PoolFormerV2's ``res_scale`` ones would hide a wrong shortcut), and any remaining
+    all-zero non-bias parameter (NF-ResNet skipinit gains, zeroed norm or conv weights)
+    re-randomised. Deterministic in ``seed``; the global RNG is left untouched. Randomised in
+    float32, then converted to ``dtype`` (so fp64 = upcast fp32).
     """
     kwargs = dict(timm_kwargs)
     pass_zero_init = "zero_init_last" not in kwargs
@@ -68,9 +71,14 @@ def _randomize(model: nn.Module) -> None:
             if isinstance(bias, Tensor):
                 bias.normal_().mul_(0.1)
     for pname, param in model.named_parameters():
-        if param.numel() == 0 or pname.endswith("bias") or bool(param.any()):
+        if param.numel() == 0 or pname.endswith("bias"):
             continue
-        if param.numel() == (param.shape[0] if param.ndim else 1):  # gains/scales, (C,) or (C, 1, 1, 1)
+        per_channel = param.numel() == (param.shape[0] if param.ndim else 1)  # (C,) or (C, 1, 1, 1)
+        if per_channel and param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+            param.uniform_(0.5, 1.5)  # a gain or scale filled with one value: LayerScale, res_scale
+        elif bool(param.any()):
+            continue
+        elif per_channel:  # zeroed gains/scales
             param.uniform_(0.5, 1.5)
         else:  # a zeroed conv/linear weight: fan-in scaled normal
             param.normal_().mul_(1.0 / math.sqrt(param[0].numel()))
