@@ -43,6 +43,8 @@ def plan_to_dot(gm: fx.GraphModule, plan: Plan) -> str:
         lines.append("  " + _node_line(gm, node, fill))
     for index, run in enumerate(plan.runs):
         label = f"{run.name} ({run.length} block{'s' if run.length != 1 else ''})"
+        if run.period > 1:  # a transformer's attention and MLP halves: length periods of p blocks
+            label = f"{run.name} ({run.length} x {run.period} blocks)"
         lines.append(f"  subgraph cluster_run_{index} {{")
         lines.append(f'    label={_quote(label)}; style=rounded; bgcolor="#e8f0fe"; color="#4a72c4";')
         lines.extend("    " + _node_line(gm, node, None) for node in members[run.name])

@@ -112,17 +112,21 @@ def format_shape(shape: Sequence[int]) -> str:
 
 
 def format_plan_table(plan: Plan) -> Table:
-    """The runs that become ODE stages, one row per run."""
-    blocks = sum(run.length for run in plan.runs)
+    """The runs of blocks, one row per run: period-1 runs become ODE stages; runs of a longer period
+    (transformer halves) are found, and wait for splitting stages."""
+    stages = [run for run in plan.runs if run.period == 1]
+    periodic = len(plan.runs) - len(stages)
+    waiting = f"; {periodic} runs of period > 1 are not converted yet" if periodic else ""
     table = Table(
         title=f"{plan.model}: runs of identity blocks (input {'x'.join(map(str, plan.input_shape))})",
-        caption=f"{len(plan.runs)} runs, {blocks} identity blocks become ODE stages; "
-        f"{len(plan.discrete)} blocks stay discrete",
+        caption=f"{len(stages)} runs, {sum(run.length for run in stages)} identity blocks become ODE "
+        f"stages{waiting}; {len(plan.discrete)} blocks stay discrete",
     )
     for header, justify in (
         ("stage", "left"),
         ("run", "right"),
         ("blocks", "right"),
+        ("period", "right"),
         ("kind", "left"),
         ("form", "left"),
         ("activation", "left"),
@@ -135,6 +139,7 @@ def format_plan_table(plan: Plan) -> Table:
             run.name,
             str(index),
             str(run.length),
+            str(run.period),
             "identity",
             FORM_NAMES.get(run.form, run.form),
             run.activation or "-",
