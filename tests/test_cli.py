@@ -104,10 +104,10 @@ def test_inspect_resnet18_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "resnet18", *SMALL]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
-    runs = {r[0]: int(r[2]) for r in rows if r[0] in RESNET18_RUNS and len(r) == 8}
+    runs = {r[0]: int(r[2]) for r in rows if r[0] in RESNET18_RUNS and len(r) == 9}
     assert runs == RESNET18_RUNS
     layer1 = next(r for r in rows if r[0] == "layer1")
-    assert layer1[3:7] == ["identity", "post-activation", "ReLU", "64x16x16"]
+    assert layer1[3:8] == ["1", "identity", "post-activation", "ReLU", "64x16x16"]  # period 1
     discrete = [r for r in rows if r[1:2] == ["projection"]]
     assert [r[0] for r in discrete] == ["layer2.0", "layer3.0", "layer4.0"]
 
