@@ -471,6 +471,7 @@ RECORDED = (
     "input_size",
     "leaf",
     "deterministic",
+    "teacher",
 )
 
 
@@ -490,7 +491,6 @@ def run_finetune(args: argparse.Namespace) -> int:
         DEFAULT_RECIPE,
         finetune,
         for_training,
-        native_depth,
         read_run,
         start_processes,
         stop_processes,
@@ -525,7 +525,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             max_batches=settings.max_batches,
             workers=settings.workers,
             processes=processes,
-            teacher=native_depth(loaded) if recipe.distill > 0 else None,
+            teacher=settings.teacher,
             run_info={"cli": {k: getattr(settings, k) for k in RECORDED}},
             deterministic=settings.deterministic,
         )

@@ -3,9 +3,10 @@
 A saved model is self-contained: its recipe (:mod:`odeify.serialization.recipe`) names the source
 architecture as a timm name and build kwargs, never a path or the source weights. ``load`` builds
 that architecture with random weights (or takes the ``model=`` you pass), converts it with the
-recorded settings, checks every saved tensor against the result, and loads them. It opens no path
-but the one it is given and needs no network, so a file loads the same on any machine with odeify,
-torch and timm.
+recorded settings, checks every saved tensor against the result, and loads them (with the fold
+records and source tensors the file has: what fine-tuning reads, :mod:`odeify.passes.source`).
+It opens no path but the one it is given and needs no network, so a file loads the same on any
+machine with odeify, torch and timm.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from odeify.core.fileio import atomic_write_bytes
 from odeify.ir.settings import StageSettings
 from odeify.models.archs import build_arch
 from odeify.models.timm_interface import ConvertedModel
+from odeify.passes.fold_bn import FOLDS, drop_fold_records
+from odeify.passes.source import attach_sources, drop_sources
 from odeify.serialization.recipe import DTYPES, Recipe, integrator_of, parse_recipe, recipe_of
 
 __all__ = ["RECIPE_KEY", "load", "save"]
@@ -102,6 +105,7 @@ def load(
     source = _source_model(recipe, header, path, model)
     converted = _rebuild(source, recipe, path, leaf_modules)
     state = _read_tensors(path)
+    _match_training_records(converted, state, path)
     _check_tensors(converted, state, path)
     converted.load_state_dict(state, strict=True)
     if recipe.pretrained_cfg:
@@ -244,6 +248,22 @@ def _convert_as_recorded(
     )
     with torch.no_grad():
         return guard_input_dtype(CONVERT.run(job).gm)
+
+
+def _match_training_records(model: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Give the rebuilt model the training records the file has: fold records, source tensors.
+
+    The rebuilt model has fold records (its conversion folded BatchNorms), and source tensors of the
+    random weights it was built with where its recipe compressed or refined knots: those go, the
+    file's take their place. A file saved before fold records existed has none, and loads without
+    them (fine-tuning then trains its folded tensors as they are).
+    """
+    if not any(key.startswith(f"{FOLDS}.") or f".{FOLDS}." in key for key in state):
+        drop_fold_records(model)
+    drop_sources(model)
+    problems = attach_sources(model, dict(state))
+    if problems:
+        raise ModelLoadError(f"{path}: {'; '.join(problems[:3])}; the file is damaged or was altered")
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
