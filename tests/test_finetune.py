@@ -27,7 +27,6 @@ import pytest
 import safetensors.torch
 import torch
 from safetensors import safe_open
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Dataset, TensorDataset
 
 import odeify
