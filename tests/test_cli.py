@@ -476,6 +476,7 @@ def test_names_print_as_text_never_as_markup(converted_file: Path, tmp_path: Pat
     assert (tmp_path / "p.png").read_bytes().startswith(PNG)
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_names_the_file_it_stopped(converted_file: Path, tmp_path: Path) -> None:
     """Under `ulimit -f` the training state (about 1.1 MB) cannot be written, the best model (0.37 MB) can."""
     import resource

@@ -119,8 +119,17 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _on_cpu(model: nn.Module, dtype: torch.dtype | None = None) -> fx.GraphModule:
-    """An eval-mode copy of ``model`` on the CPU (in ``dtype``), so the probe never changes the caller's."""
-    twin = copy.deepcopy(model).cpu().eval()
+    """An eval-mode copy of ``model`` on the CPU (in ``dtype``), so the probe never changes the caller's.
+
+    Its parameters and buffers are copied straight to the CPU: a model training on a GPU is never
+    duplicated on the GPU, whose memory it may fill.
+    """
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(param.detach().to("cpu", copy=True), param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = buffer.detach().to("cpu", copy=True)
+    twin = copy.deepcopy(model, memo).cpu().eval()
     return twin.to(dtype) if dtype is not None else twin
 
 
