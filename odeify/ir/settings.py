@@ -116,12 +116,21 @@ def parse_steps(spec: object, stage: str | None = None) -> StepsSpec:
 
 
 def resolve_steps(spec: StepsSpec, depth: int, stage: str) -> int:
-    """The step count ``spec`` asks of a stage of ``depth`` blocks: 'x<m>' is round(m * depth), >= 1."""
+    """The step count ``spec`` asks of a stage of ``depth`` blocks: 'x<m>' is round(m * depth), >= 1.
+
+    A multiplier that gives fewer than half a step is refused, not rounded up to one."""
     spec = parse_steps(spec, stage)
     if spec == "native":
         return depth
     if isinstance(spec, str):
-        return max(1, round(Fraction(spec[1:]) * depth))
+        exact = Fraction(spec[1:]) * depth
+        if exact < Fraction(1, 2):
+            raise ConfigError(
+                f"steps={spec!r} gives stage '{stage}' ({depth} blocks) {float(exact):.3g} steps: fewer "
+                f"than one, which would be rounded up to 1 step. Ask for steps=1 (--steps 1), or a "
+                f"multiplier of at least 'x{1 / (2 * depth):g}'."
+            )
+        return max(1, round(exact))
     return spec
 
 
