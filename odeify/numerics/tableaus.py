@@ -1,9 +1,9 @@
 """Integrators as data: explicit Runge-Kutta Butcher tableaus with exact coefficients.
 
-Step code reads a `Tableau` (or the `ReversibleHeun` marker) instead of hard-coding each method, so a
-user tableau runs through the same path as the built-ins. Coefficients are `fractions.Fraction` so the
-stage times c_i are exact and the step code can decide exactly when a stage sits on a step's end
-(docs/design.md, "Stage times at a step's end").
+Step code reads a `Tableau` (or a reversible scheme, :mod:`odeify.numerics.schemes`) instead of
+hard-coding each method, so a user tableau runs through the same path as the built-ins.
+Coefficients are `fractions.Fraction` so the stage times c_i are exact and the step code can decide
+exactly when a stage sits on a step's end (docs/design.md, "Stage times at a step's end").
 """
 
 from __future__ import annotations
@@ -15,15 +15,18 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
-from typing import ClassVar
 
 from odeify.core.errors import ConfigError
+from odeify.numerics.schemes import AsyncLeapfrog, ReversibleHeun, ReversibleScheme
 
 __all__ = [
     "KNOWN_INTEGRATORS",
+    "REVERSIBLE_SCHEMES",
     "TABLEAUS",
+    "AsyncLeapfrog",
     "Integrator",
     "ReversibleHeun",
+    "ReversibleScheme",
     "Tableau",
     "resolve_integrator",
     "to_fraction",
@@ -161,7 +164,7 @@ class Tableau:
 
     @property
     def evals_per_step(self) -> int:
-        """Field evaluations per step; same attribute as on ReversibleHeun so callers need not dispatch."""
+        """Field evaluations per step; the reversible schemes have it too, so callers need not dispatch."""
         return len(self.b)
 
     @classmethod
@@ -257,20 +260,7 @@ def _show(values: Sequence[Fraction]) -> str:
     return "[" + ", ".join(str(v) for v in values) + "]"
 
 
-@dataclass(frozen=True)
-class ReversibleHeun:
-    """Marker for the algebraically reversible Heun method (Kidger et al. 2021).
-
-    Not a Butcher tableau: its state is a pair (y, z) and it inverts in closed form, so the step code
-    dispatches on this type. Two field evaluations per step when the last one is not reused.
-    """
-
-    name: ClassVar[str] = "reversible_heun"
-    order: ClassVar[int] = 2
-    evals_per_step: ClassVar[int] = 2
-
-
-Integrator = Tableau | ReversibleHeun
+Integrator = Tableau | ReversibleHeun | AsyncLeapfrog
 
 _h = "1/2"
 TABLEAUS: dict[str, Tableau] = {
@@ -298,20 +288,23 @@ TABLEAUS: dict[str, Tableau] = {
 }
 del _h
 
-KNOWN_INTEGRATORS: tuple[str, ...] = tuple(sorted([*TABLEAUS, ReversibleHeun.name]))
+REVERSIBLE_SCHEMES: dict[str, ReversibleScheme] = {s.name: s for s in (ReversibleHeun(), AsyncLeapfrog())}
+"""The built-in reversible integrators by name (``backward='reversible'`` runs any of them)."""
+
+KNOWN_INTEGRATORS: tuple[str, ...] = tuple(sorted([*TABLEAUS, *REVERSIBLE_SCHEMES]))
 
 
-def resolve_integrator(spec: str | Tableau | ReversibleHeun) -> Integrator:
-    """Turn an integrator name or object into a Tableau or ReversibleHeun; ConfigError if unknown.
+def resolve_integrator(spec: str | Integrator) -> Integrator:
+    """Turn an integrator name or object into a Tableau or a reversible scheme; ConfigError if unknown.
 
     Names are case-insensitive and '-' counts as '_' ("RK4-38" -> rk4_38).
     """
-    if isinstance(spec, (Tableau, ReversibleHeun)):
+    if isinstance(spec, (Tableau, ReversibleScheme)):
         return spec
     if isinstance(spec, str):
         key = spec.strip().lower().replace("-", "_")
-        if key == ReversibleHeun.name:
-            return ReversibleHeun()
+        if key in REVERSIBLE_SCHEMES:
+            return REVERSIBLE_SCHEMES[key]
         if key in TABLEAUS:
             return TABLEAUS[key]
         raise ConfigError(

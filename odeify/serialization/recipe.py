@@ -23,11 +23,17 @@ from torch import nn
 
 from odeify.compiler.record import META
 from odeify.core.dtypes import model_dtype
-from odeify.core.errors import ModelLoadError
+from odeify.core.errors import ConfigError, ModelLoadError
 from odeify.ir.settings import BACKWARD_MODES
 from odeify.models.archs import DATA_CONFIG_KEYS, check_arch_name, check_file_kwargs
 from odeify.numerics.bases import BASES, MAX_KNOTS
-from odeify.numerics.tableaus import TABLEAUS, ReversibleHeun, Tableau, resolve_integrator
+from odeify.numerics.tableaus import (
+    KNOWN_INTEGRATORS,
+    REVERSIBLE_SCHEMES,
+    TABLEAUS,
+    Tableau,
+    resolve_integrator,
+)
 from odeify.passes.segments import has_segments
 from odeify.runtime.stage import ODEStage
 
@@ -122,6 +128,12 @@ def recipe_of(model: nn.Module) -> Recipe:
 
 def _stage_recipe(stage: Any, module: str) -> StageRecipe:
     integrator = stage.integrator
+    if not isinstance(integrator, Tableau) and REVERSIBLE_SCHEMES.get(integrator.name) != integrator:
+        raise ConfigError(
+            f"stage '{stage.stage_name}' uses the integrator {integrator!r}, which a saved recipe cannot "
+            f"name (it records one of {', '.join(REVERSIBLE_SCHEMES)} or a tableau): retarget it to a "
+            "built-in integrator before saving."
+        )
     builtin = not isinstance(integrator, Tableau) or TABLEAUS.get(integrator.name) == integrator
     spec: str | dict[str, Any] = (
         integrator.name
@@ -254,7 +266,7 @@ def _stages(value: object, where: str) -> tuple[StageRecipe, ...]:
 def _integrator(value: object, where: str) -> None:
     """A built-in name, or a small tableau of exact rational strings (checked before any parsing)."""
     if isinstance(value, str):
-        _choice(value, [*TABLEAUS, ReversibleHeun.name], where, "integrator")
+        _choice(value, KNOWN_INTEGRATORS, where, "integrator")
         return
     _expect(isinstance(value, dict) and set(value) == {"name", "a", "b", "order"}, where, "integrator keys")
     b, a = value["b"], value["a"]  # type: ignore[index]

@@ -1,0 +1,233 @@
+"""The fixed-point lattice that makes a reversible scheme's inverse exact in floating point.
+
+A plain floating-point inverse amplifies round-off (reversible Heun's about 3x per step on an
+expansive stage: fp32 gradients drifted 1e-3..1e-2 from backprop). Here a state register lives on
+a lattice: integer multiples of a power of two q, 2^-bits of each sample's largest input
+magnitude (rounded up to a power of two; bits from :func:`lattice_bits`), held as counts of q in
+float64, and every field increment is rounded to the lattice ([.]) before it is added. Sums of
+counts are exact in float64 while below 2^53 (registers are kept below :data:`EXACT_COUNTS`,
+2^(52 - bits) times the input's magnitude: 2^26 for fp32 inputs), so undoing an addition rebuilds
+its register bit for bit, provided the field returns the same bits for the same input: CPU
+kernels do; on GPU use deterministic kernels. The field runs in the input's dtype on the register
+rounded to it, so its Jacobians are the ones backprop uses; only the state arithmetic is finer
+than the unrolled graph's.
+
+What the forward keeps of its final registers (:meth:`Lattice.pack`), at any depth:
+
+- the output register rounded to the input's dtype, which the model keeps anyway (the next part
+  of the model saves it; the Function saves the same storage, counted once);
+- its rounding residual in counts, in the narrowest integer type that holds it (int8 while the
+  stage grows its input by less than about 2^6 for fp32; nothing when the output is exact in the
+  dtype, as in fp64);
+- every other register as int32 counts while they fit (else float64): as its difference from
+  the output (reversible Heun's z - y) or as itself (ALF's p = h/2 v), as the scheme says;
+- the spacing q per sample.
+
+For fp32 that is 1.25 states beside the output on the models measured (``benchmarks/
+lattice_range.py``), 2.25 where a register outgrows int32. A register past 2^52 counts, or not
+finite (a NaN or inf sample), cannot be kept exactly: :meth:`Lattice.pack` says why, and the
+caller falls back (:mod:`odeify.runtime.reversible`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+import torch
+from torch import Tensor
+
+from odeify.ir.stage_ir import StageIR
+from odeify.numerics.schemes import Register
+
+__all__ = ["EXACT_COUNTS", "Lattice", "half_step", "lattice_bits"]
+
+HEADROOM_BITS = 9
+"""Float64 sums of counts stay exact up to 2^9 times the input's magnitude at least (fp64 inputs)."""
+
+FINER_BITS = 2
+"""How much finer than the input dtype's precision the lattice is (see :func:`lattice_bits`)."""
+
+EXACT_COUNTS = 2.0**52
+"""Largest |count| of a register the forward accepts: below it every sum and difference is exact."""
+
+
+def lattice_bits(dtype: torch.dtype) -> int:
+    """Lattice spacing 2^-bits relative to the input: 2^2 finer than the input dtype's precision.
+
+    26 bits for fp32 (float64 headroom 2^27), 10 for bfloat16; float64 inputs get
+    53 - HEADROOM_BITS = 44 bits, coarser than their own round-off, so in fp64 the lattice trades
+    2^-44 rounding for exactness. Measured on fp32 (digits stage, 256 steps, gradients against
+    float64 backprop): 26 bits err 6e-7 like fp32 backprop itself (5e-7); 24 bits erred 6e-4 (a
+    ReLU kink the coarser states landed on the other side of). Each bit more costs a bit of the
+    stored state (see the module docstring).
+    """
+    precision = 1 - round(math.log2(torch.finfo(dtype).eps))  # 24 for fp32
+    return min(precision + FINER_BITS, 53 - HEADROOM_BITS)
+
+
+def half_step(stage: StageIR) -> Fraction:
+    """h L / 2: an increment [h/2 F] is [h L / 2 * delta], delta = F / L being what the graphs evaluate.
+
+    1/2 at native steps. Folding L here saves a multiply per evaluation and one in its VJP.
+    """
+    return Fraction(stage.depth, 2 * stage.steps)
+
+
+def _profiled(method):
+    """Label a lattice method's tensor ops as ``odeify.lattice`` in ``torch.profiler`` traces."""
+
+    @functools.wraps(method)
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function("odeify.lattice"):
+            return method(*args, **kwargs)
+
+    return labelled
+
+
+class Lattice:
+    """The lattice of one pass: spacing q per sample, registers as float64 counts of q.
+
+    Per sample (q has shape (N, 1, ..., 1)), so that a sample's result does not depend on its
+    batch: a data-parallel run and one process on the whole batch compute the same states.
+    Updates work in place and increments go to reused buffers: a float64 state of a large stage
+    is past the size malloc recycles, and allocating a fresh one per step costs more than the
+    arithmetic (page faults).
+    """
+
+    def __init__(self, x: Tensor, half_step: Fraction, quantum: Tensor | None = None) -> None:
+        self.dtype = x.dtype
+        self.quantum = _quantum(x) if quantum is None else quantum
+        # dividing by q (a power of two) is exact
+        self.increment_scale = float(half_step) / self.quantum
+        # counts -> dtype, then * q (exact: q is a normal power of two in dtype) is round(counts * q),
+        # without a float64 temporary; fp16 could overflow on the counts, fp64 needs no rounding
+        self._via_dtype = self.dtype != torch.float64 and torch.finfo(self.dtype).max > EXACT_COUNTS
+        self._quantum_in_dtype = self.quantum.to(self.dtype)
+        self._spare: list[Tensor] = []
+        self._points: dict[str, Tensor] = {}  # value()'s reused outputs, one per register
+
+    def buffer(self, like: Tensor) -> Tensor:
+        """A float64 tensor shaped like ``like`` (contents undefined), reused once released."""
+        return self._spare.pop() if self._spare else torch.empty_like(like, dtype=torch.float64)
+
+    def release(self, *buffers: Tensor | None) -> None:
+        self._spare.extend(b for b in buffers if b is not None)
+
+    # Mixed-dtype elementwise ops (fp32 * float64 -> float64) take a slow, unvectorised path on the
+    # CPU (10x a same-dtype op here): values are copied into float64 first, then scaled in place.
+
+    @_profiled
+    def counts(self, value: Tensor) -> Tensor:
+        """``value`` rounded to the lattice, in counts (exact for a value on it)."""
+        return torch.empty_like(value, dtype=torch.float64).copy_(value).div_(self.quantum).round_()
+
+    @_profiled
+    def increment(self, field: Tensor, like: Tensor) -> Tensor:
+        """[h/2 F] in counts, in a buffer (release it when done)."""
+        return self.buffer(like).copy_(field).mul_(self.increment_scale).round_()
+
+    @_profiled
+    def value(self, counts: Tensor, reuse: str | None = None) -> Tensor:
+        """The lattice point ``counts * q`` rounded to the input's dtype (a new tensor).
+
+        With ``reuse``, in that name's buffer, which the next such call for the name overwrites:
+        for a register's value, used by its evaluations until the register changes.
+        """
+        if not self._via_dtype:
+            return torch.mul(counts, self.quantum).to(self.dtype)
+        if reuse is None:
+            return counts.to(self.dtype).mul_(self._quantum_in_dtype)
+        point = self._points.get(reuse)
+        if point is None:
+            point = self._points[reuse] = torch.empty_like(counts, dtype=self.dtype)
+        return point.copy_(counts).mul_(self._quantum_in_dtype)
+
+    @staticmethod
+    @_profiled
+    def add(target: Tensor, source: Tensor, times: int) -> None:
+        """target += times * source, in place (times a small integer, negative going back: exact)."""
+        target.add_(source, alpha=times)
+
+    @staticmethod
+    @_profiled
+    def reflect(target: Tensor, about: Tensor) -> None:
+        """target -> 2 about - target, in place (one pass; its own inverse)."""
+        target.lerp_(about, 2.0)  # target + 2 (about - target): every partial result an integer below 2^54
+
+    @_profiled
+    def pack(
+        self, registers: Sequence[Tensor], layout: Sequence[Register], out: Tensor
+    ) -> tuple[tuple[Tensor | None, ...] | None, str]:
+        """The final registers in compact exact form beside ``out`` (the output register, first, rounded
+        to the dtype): ``(residual of the output, each other register as ``layout`` keeps it, q)``.
+
+        Consumes the registers after the first (a relative one becomes its difference in place).
+        Returns ``(None, why)`` when the counts cannot hold the state exactly. One device sync.
+        """
+        first = registers[0]
+        residual = self.buffer(first).copy_(out).div_(self.quantum).sub_(first).neg_()  # first - out / q
+        kinds = [how.kept for how in layout[1:]]
+        pairs = zip(registers[1:], kinds, strict=True)
+        others = [r.sub_(first) if kind == "relative" else r for r, kind in pairs]
+        largest = torch.stack([_largest(t) for t in (first, residual, *others)]).tolist()
+        if not all(map(math.isfinite, largest)):
+            return None, "its state is not finite (a NaN or inf in the batch, or a field that overflowed)"
+        first_max, residual_max, *other_max = largest
+        # a relative register's bound is |first| + |its difference|: one pass fewer than its own max
+        pairs = zip(other_max, kinds, strict=True)
+        bounds = [first_max, *(m + first_max * (kind == "relative") for m, kind in pairs)]
+        if max(bounds) >= EXACT_COUNTS:
+            growth = math.log2(max(bounds)) - lattice_bits(self.dtype)
+            return None, (
+                f"its state grew to 2^{growth:.0f} times its input's magnitude, past the 2^"
+                f"{52 - lattice_bits(self.dtype)} up to which the lattice's float64 arithmetic is exact"
+            )
+        kept = _narrowest(residual, residual_max) if residual_max else None  # None: out is exact
+        compact = [_narrowest(t, m, (torch.int32,)) for t, m in zip(others, other_max, strict=True)]
+        return (kept, *compact, self.quantum), ""
+
+    @_profiled
+    def unpack(
+        self, out: Tensor, packed: Sequence[Tensor | None], layout: Sequence[Register]
+    ) -> list[Tensor]:
+        """The registers in counts from :meth:`pack`'s form (without its q)."""
+        residual, *others = packed
+        first = torch.empty_like(out, dtype=torch.float64).copy_(out).div_(self.quantum)
+        if residual is not None:
+            first.add_(residual)
+        rebuilt = [
+            torch.add(first, kept) if how.kept == "relative" else kept.to(torch.float64, copy=True)
+            for kept, how in zip(others, layout[1:], strict=True)
+        ]
+        return [first, *rebuilt]
+
+
+def _largest(t: Tensor) -> Tensor:
+    """max |t| as a 0-dim tensor (NaN if any is NaN), without an |t| temporary."""
+    return torch.linalg.vector_norm(t, ord=math.inf)
+
+
+def _narrowest(counts: Tensor, largest: float, kinds=(torch.int8, torch.int16, torch.int32)) -> Tensor:
+    """``counts`` (float64 integers, |.| <= largest) in the narrowest of ``kinds`` that holds them."""
+    for kind in kinds:
+        if largest <= torch.iinfo(kind).max:
+            return counts.to(kind)
+    return counts
+
+
+def _quantum(x: Tensor) -> Tensor:
+    """The lattice spacing per sample of ``x``: a power of two, 2^-bits of its max|x| rounded up.
+
+    At least the dtype's smallest normal number, so that q and the dtype's values on the
+    lattice are exact in it (only an input below 2^(bits - 126) in fp32 gets a coarser lattice).
+    """
+    magnitude = (
+        x.detach().abs().amax(dim=tuple(range(1, x.dim())), keepdim=True) if x.dim() > 1 else x.abs().amax()
+    )
+    _, exponent = torch.frexp(magnitude.double())
+    smallest = round(math.log2(torch.finfo(x.dtype).smallest_normal))
+    exponent = (exponent - lattice_bits(x.dtype)).clamp_min(smallest)
+    return torch.ldexp(torch.ones_like(magnitude, dtype=torch.float64), exponent)
