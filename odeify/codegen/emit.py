@@ -231,10 +231,12 @@ def alf_step(w: StageWriter, n: int, z: fx.Node, v: fx.Node | None) -> tuple[fx.
         v = None if start == "zero" else w.field(Fraction(0), False, z, "s0_0")
     s = z if v is None else w.axpy(z, [(h / 2, v)], name=f"{w.tag}_s{n}")
     u = w.field((n + Fraction(1, 2)) * h, False, s, f"s{n}")
-    two_u = w.node("call_function", operator.mul, (u, 2.0))
-    v_next = (
-        two_u if v is None else w.node("call_function", operator.sub, (two_u, v), name=f"{w.tag}_v{n + 1}")
-    )
+    name = f"{w.tag}_v{n + 1}"
+    if v is None:
+        v_next = w.node("call_function", operator.mul, (u, 2.0), name=name)
+    else:
+        two_u = w.node("call_function", operator.mul, (u, 2.0))
+        v_next = w.node("call_function", operator.sub, (two_u, v), name=name)
     z_next = w.axpy(s, [(h / 2, v_next)], name=f"{w.tag}_z{n + 1}")
     return z_next, v_next
 

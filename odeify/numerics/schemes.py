@@ -74,13 +74,21 @@ Op = Evaluate | Add | Reflect
 
 @dataclass(frozen=True)
 class Register:
-    """A state register: starting at the stage input or at zero; ``kept`` says how the forward keeps
-    its final value for backward: as its difference from the output register (small where the two
-    stay close, as reversible Heun's y and z do) or as itself."""
+    """A state register: starting at the stage input or at zero.
+
+    ``kept`` says how the forward keeps its final value for backward: as its difference from the
+    output register (small where the two stay close, as reversible Heun's y and z do) or as itself.
+    ``lattice`` is its spacing: ``state``, the input's (the lattice's q), or ``increment``, finer by
+    about h L / 2, for a register that holds an increment-sized quantity (ALF's p = h/2 v): there
+    the input's spacing would round it ever more coarsely, relative to its size, as the steps get
+    smaller. Adding it to a state register rounds it to the state's spacing first (exactly undone,
+    since the same bits are rounded again going back).
+    """
 
     name: str
     start: Literal["input", "zero"]
     kept: Literal["relative", "absolute"] = "absolute"
+    lattice: Literal["state", "increment"] = "state"
 
 
 class ReversibleScheme:
@@ -152,7 +160,10 @@ class AsyncLeapfrog(ReversibleScheme):
     initial_velocity: Literal["zero", "field"] = "zero"
     order: ClassVar[int] = 2
     evals_per_step: ClassVar[int] = 1
-    registers: ClassVar[tuple[Register, ...]] = (Register("z", "input"), Register("p", "zero"))
+    registers: ClassVar[tuple[Register, ...]] = (
+        Register("z", "input"),
+        Register("p", "zero", lattice="increment"),
+    )
     step: ClassVar[tuple[Op, ...]] = (
         Add("z", "p"),
         Evaluate("z", Fraction(1, 2), False, "a"),
@@ -179,10 +190,13 @@ def validate_scheme(scheme: ReversibleScheme) -> None:
     registers = [r.name for r in scheme.registers]
     if len(set(registers)) != len(registers):
         raise ValueError(f"{scheme.name}: register names must be unique")
+    lattices = {r.name: r.lattice for r in scheme.registers}
+    if any(r.kept == "relative" and r.lattice != scheme.registers[0].lattice for r in scheme.registers):
+        raise ValueError(f"{scheme.name}: a register kept relative to the output must share its lattice")
     for ops in (scheme.start, scheme.step):
         for i, op in enumerate(ops):
             if isinstance(op, Evaluate):
-                _check_increment(scheme.name, ops, i, registers)
+                _check_increment(scheme.name, ops, i, lattices)
             elif op.target not in registers or _source(op) == op.target:
                 raise ValueError(f"{scheme.name}: {op} changes an unknown register, or adds it to itself")
             elif _source(op) not in registers and not any(
@@ -195,17 +209,20 @@ def _source(op: Add | Reflect) -> str:
     return op.source if isinstance(op, Add) else op.about
 
 
-def _check_increment(name: str, ops: tuple[Op, ...], i: int, registers: list[str]) -> None:
-    """The increment evaluated by ``ops[i]`` is used, and only before its register next changes."""
+def _check_increment(name: str, ops: tuple[Op, ...], i: int, lattices: dict[str, str]) -> None:
+    """The increment evaluated by ``ops[i]`` is used, only before its register next changes, and only
+    into registers of one lattice (it is rounded on theirs)."""
     evaluate = ops[i]
     assert isinstance(evaluate, Evaluate)
-    if evaluate.register not in registers or evaluate.into in registers or not 0 <= evaluate.at <= 1:
-        raise ValueError(f"{name}: {evaluate} reads an unknown register, or leaves its step")
+    if lattices.get(evaluate.register) != "state" or evaluate.into in lattices or not 0 <= evaluate.at <= 1:
+        raise ValueError(f"{name}: {evaluate} reads an unknown or non-state register, or leaves its step")
     writes = [(j, op) for j, op in enumerate(ops) if not isinstance(op, Evaluate)]
     uses = [j for j, op in writes if _source(op) == evaluate.into]
     changes = [j for j, op in writes if j > i and op.target == evaluate.register]
     if not uses or (changes and max(uses) > min(changes)):
         raise ValueError(f"{name}: increment {evaluate.into!r} is unused, or used after its register changes")
+    if len({lattices[ops[j].target] for j in uses}) > 1:
+        raise ValueError(f"{name}: increment {evaluate.into!r} is added to registers of two lattices")
 
 
 for _scheme in (ReversibleHeun(), AsyncLeapfrog(), AsyncLeapfrog("field")):

@@ -125,9 +125,10 @@ class Lattice:
         return torch.empty_like(value, dtype=torch.float64).copy_(value).div_(self.quantum).round_()
 
     @_profiled
-    def increment(self, field: Tensor, like: Tensor) -> Tensor:
-        """[h/2 F] in counts, in a buffer (release it when done)."""
-        return self.buffer(like).copy_(field).mul_(self.increment_scale).round_()
+    def increment(self, field: Tensor, like: Tensor, finer: int = 0) -> Tensor:
+        """[h/2 F] in counts of a lattice ``finer`` bits finer than q, in a buffer (release it when done)."""
+        scale = self.increment_scale if not finer else self.increment_scale * 2.0**finer
+        return self.buffer(like).copy_(field).mul_(scale).round_()
 
     @_profiled
     def value(self, counts: Tensor, reuse: str | None = None) -> Tensor:
@@ -145,17 +146,31 @@ class Lattice:
             point = self._points[reuse] = torch.empty_like(counts, dtype=self.dtype)
         return point.copy_(counts).mul_(self._quantum_in_dtype)
 
-    @staticmethod
     @_profiled
-    def add(target: Tensor, source: Tensor, times: int) -> None:
-        """target += times * source, in place (times a small integer, negative going back: exact)."""
-        target.add_(source, alpha=times)
+    def add(self, target: Tensor, source: Tensor, times: int, finer: int = 0) -> None:
+        """target += times * source, in place (times a small integer, negative going back: exact).
 
-    @staticmethod
+        ``finer``: how many bits finer the source's lattice is; it is rounded to the target's first.
+        """
+        rounded = self._on_target(source, finer)
+        target.add_(rounded, alpha=times)
+        if rounded is not source:
+            self.release(rounded)
+
     @_profiled
-    def reflect(target: Tensor, about: Tensor) -> None:
-        """target -> 2 about - target, in place (one pass; its own inverse)."""
-        target.lerp_(about, 2.0)  # target + 2 (about - target): every partial result an integer below 2^54
+    def reflect(self, target: Tensor, about: Tensor, finer: int = 0) -> None:
+        """target -> 2 about - target, in place (its own inverse); ``about`` as in :meth:`add`."""
+        rounded = self._on_target(about, finer)
+        target.lerp_(rounded, 2.0)  # target + 2 (about - target): every partial result an integer below 2^54
+        if rounded is not about:
+            self.release(rounded)
+
+    def _on_target(self, source: Tensor, finer: int) -> Tensor:
+        """``source`` in counts of a lattice ``finer`` bits coarser (rounded; exact when ``finer`` <= 0)."""
+        if finer == 0:
+            return source
+        out = torch.mul(source, 2.0**-finer, out=self.buffer(source))
+        return out.round_() if finer > 0 else out
 
     @_profiled
     def pack(

@@ -73,12 +73,18 @@ Step = _Evaluation | Add | Reflect
 class Program:
     """A scheme's ops over one stage's steps: exact times, uniquely named increments, merged evaluations.
 
-    ``frees[i]`` names the increments op i uses for the last time (their buffers are reused then).
+    ``frees[i]`` names the increments op i uses for the last time (their buffers are reused then);
+    ``finer[name]`` how many bits finer than q a register's or increment's lattice is.
     """
 
     scheme: ReversibleScheme
     ops: tuple[Step, ...]
     frees: tuple[tuple[str, ...], ...]
+    finer: dict[str, int]
+
+    def shift(self, op: Add | Reflect) -> int:
+        """How many bits finer the op's source lattice is than its target's."""
+        return self.finer[_source(op)] - self.finer[op.target]
 
     @property
     def evaluations(self) -> int:
@@ -102,7 +108,21 @@ def compile_program(stage: StageIR) -> Program:
     for name, i in last_use.items():
         if name in increments:
             frees[i].append(name)
-    return Program(scheme, tuple(ops), tuple(tuple(f) for f in frees))
+    bits = increment_bits(half_step(stage))
+    finer = {r.name: bits if r.lattice == "increment" else 0 for r in scheme.registers}
+    for op in ops:  # an increment lives on the lattice of the registers it is added to
+        if not isinstance(op, _Evaluation) and _source(op) in increments:
+            finer[_source(op)] = finer[op.target]
+    return Program(scheme, tuple(ops), tuple(tuple(f) for f in frees), finer)
+
+
+def increment_bits(half: Fraction) -> int:
+    """How much finer than q an ``increment`` register's lattice is: the k >= 0 with 2^-(k + 1) just
+    above h L / 2 (0 at native steps, 1 at 2x, 6 at 64x), so its counts stay as large as a state's."""
+    k = 0
+    while Fraction(2) ** (k + 2) <= 1 / half:
+        k += 1
+    return k
 
 
 def _placed(ops: tuple[Op, ...], start: Fraction, h: Fraction, suffix: str) -> list[Step]:
@@ -266,15 +286,15 @@ def _run(
                 points.append(value)
             graph = delta_graph(stage, op.t, op.left)
             delta = context.record(op.into, graph, (value, *_knot_inputs(graph, knots)))
-            increments[op.into] = lattice.increment(delta, registers[op.register])
+            increments[op.into] = lattice.increment(delta, registers[op.register], program.finer[op.into])
             del delta
             continue
         source = registers.get(_source(op))
         source = increments[_source(op)] if source is None else source
         if isinstance(op, Add):
-            lattice.add(registers[op.target], source, op.times)
+            lattice.add(registers[op.target], source, op.times, program.shift(op))
         else:
-            lattice.reflect(registers[op.target], source)
+            lattice.reflect(registers[op.target], source, program.shift(op))
         values.pop(op.target, None)
         lattice.release(*(increments.pop(name) for name in program.frees[i]))
     return [registers[r.name] for r in program.scheme.registers]
@@ -351,9 +371,9 @@ class _Walk:
         target, name = self.registers[op.target], _source(op)
         source = self.registers[name] if name in self.registers else self._increment(name)
         if isinstance(op, Add):
-            self.lattice.add(target, source, -op.times)
+            self.lattice.add(target, source, -op.times, self.program.shift(op))
         else:
-            self.lattice.reflect(target, source)
+            self.lattice.reflect(target, source, self.program.shift(op))
         self.values.pop(op.target, None)
 
     def _increment(self, name: str) -> Tensor:
@@ -366,7 +386,9 @@ class _Walk:
             if value is None:
                 value = self.values[op.register] = self.lattice.value(register, reuse=op.register)
             pending = self.pending[name] = self._evaluate(op, value)
-            pending.counts = self.lattice.increment(pending.delta.detach(), register)
+            pending.counts = self.lattice.increment(
+                pending.delta.detach(), register, self.program.finer[name]
+            )
         return pending.counts
 
     def _evaluate(self, op: _Evaluation, value: Tensor) -> _Pending:
