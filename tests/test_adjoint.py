@@ -541,12 +541,14 @@ def test_a_nan_sample_leaves_the_clean_samples_gradients_exact(integrator, mode)
 
 
 def test_reversible_lattice_holds_states_exactly_up_to_its_bound() -> None:
-    """Counts below 2^52 are kept exactly (in the narrowest integer type); at 2^52 or non-finite, refused."""
+    """Counts below 2^52 are kept exactly (int8..int32, 5 bytes, float64: the narrowest that holds them);
+    at 2^52 or non-finite, refused."""
     x = torch.ones(2, 3)
     grid = Lattice(x, Fraction(1, 8))
     layout = ReversibleHeun.registers  # y, then z kept as z - y
     for y_count, d_count, d_type in [
         (2.0**52 - 2**32, 2**31 - 1, torch.int32),
+        (1e6, -(2.0**35) - 3, torch.uint8),  # 5 bytes per count below 2^39
         (1e6, 2.0**40, torch.float64),
     ]:
         y = torch.full((2, 3), y_count, dtype=torch.float64)

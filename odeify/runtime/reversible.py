@@ -414,6 +414,7 @@ class _Walk:
             if wanted and found[0] is not None:
                 self.lam.accumulate(op.register, found[0])
             self.work.grads.add(pending.rerun, found[len(wanted) :])
+            self.lam.release(cotangent)
         if pending.counts is not None:
             self.lattice.release(pending.counts)
 
@@ -451,15 +452,17 @@ class _Cotangents:
     """The cotangent λ of every register and live increment, kept as (tensor, scale), λ = scale * tensor.
 
     So a reflection's sign flip costs no pass, and an increment's cotangent is made already scaled
-    by h L / 2 for its VJP (``take`` hands the tensor over as it is).
+    by h L / 2 for its VJP (``take`` hands the tensor over as it is), in a reused buffer
+    (:meth:`release` it after the VJP): a fresh state-sized tensor per step costs page faults.
     """
 
     def __init__(self, program: Program, grad_out: Tensor, half: Fraction) -> None:
         self.registers = {r.name for r in program.scheme.registers}
         self.half = half
-        output = program.scheme.output
+        output = self.output_name = program.scheme.output
         self.tensors: dict[str, Tensor] = {output: grad_out.clone()}
         self.scales: dict[str, Fraction] = {output: Fraction(1)}
+        self._spare: list[Tensor] = []
 
     def adjoint(self, op: Add | Reflect) -> None:
         """``Add``: λsource += times λtarget. ``Reflect``: λabout += 2 λtarget, λtarget = -λtarget."""
@@ -477,8 +480,10 @@ class _Cotangents:
         if name in self.tensors:
             self.tensors[name].add_(self.tensors[source], alpha=float(weight / self.scales[name]))
             return
-        scale = Fraction(1) if name in self.registers else 1 / self.half
-        self.tensors[name] = self.tensors[source] * float(weight / scale)
+        is_register = name in self.registers
+        scale = Fraction(1) if is_register else 1 / self.half
+        out = self._spare.pop() if self._spare and not is_register else None
+        self.tensors[name] = torch.mul(self.tensors[source], float(weight / scale), out=out)
         self.scales[name] = scale
 
     def take(self, increment: str) -> Tensor | None:
@@ -488,6 +493,10 @@ class _Cotangents:
             return None
         factor = self.scales.pop(increment) * self.half
         return tensor if factor == 1 else tensor * float(factor)
+
+    def release(self, cotangent: Tensor) -> None:
+        """Hand a taken cotangent back for reuse, once its VJP is done."""
+        self._spare.append(cotangent)
 
     def accumulate(self, register: str, grad: Tensor) -> None:
         """λregister += grad (a VJP's result, taken over)."""
@@ -499,6 +508,8 @@ class _Cotangents:
     def result(self, layout) -> Tensor:
         """The gradient w.r.t. x: the sum of the cotangents of the registers that started at x."""
         parts = [r.name for r in layout if r.start == "input" and r.name in self.tensors]
+        if not parts:  # no cotangent reached the start (a stage whose output ignores its input)
+            return torch.zeros_like(self.tensors[self.output_name])
         total = self.tensors[parts[0]].mul_(float(self.scales[parts[0]]))
         for name in parts[1:]:
             total.add_(self.tensors[name], alpha=float(self.scales[name]))
