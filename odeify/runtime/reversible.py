@@ -86,9 +86,9 @@ class Program:
         """How many bits finer the op's source lattice is than its target's."""
         return self.finer[_source(op)] - self.finer[op.target]
 
-    @property
-    def evaluations(self) -> int:
-        return sum(isinstance(op, _Evaluation) for op in self.ops)
+    def field_times(self) -> list[tuple[Fraction, bool]]:
+        """The exact time and side (left limit or not) of every field evaluation, in forward order."""
+        return [(op.t, op.left) for op in self.ops if isinstance(op, _Evaluation)]
 
 
 def compile_program(stage: StageIR) -> Program:
