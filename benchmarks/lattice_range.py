@@ -74,7 +74,7 @@ def _stage_row(stage: odeify.ODEStage, x_in: torch.Tensor) -> tuple[str, ...]:
     residual = registers[0] - torch.div(out, lattice.quantum)
     layout = program.scheme.registers
     other = registers[1] - registers[0] if layout[1].kept == "relative" else registers[1].clone()
-    packed, why = lattice.pack(registers, layout, out)  # consumes the registers after the first
+    _, packed, why = lattice.pack(registers, layout)  # consumes the registers after the first
     assert packed is not None, why
     kept, compact, _ = packed
     peak = max(float((p.double().abs() / lattice.quantum).amax()) for p in points)

@@ -46,7 +46,7 @@ from odeify.numerics.tableaus import resolve_integrator
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADERS = ("model", "integrator", "steps", "basis", "logit distance", "top-1 agreement", "accuracy", "NFE")
 ALF_FIELD_START = AsyncLeapfrog("field")
-DEPTHS = ("native", "x2", "x4", "x0.5")
+DEPTHS = ("native", "x2", "x4", "x8", "x0.5")
 MANIFESTATIONS = (
     ("euler", "native"),
     ("euler", "x0.5"),

@@ -34,6 +34,11 @@ from odeify.numerics.bases import get_basis
 from odeify.numerics.tableaus import Integrator, ReversibleScheme, resolve_integrator
 
 
+def _setting(name: str, doc: str) -> property:
+    """A read-only view of one field of a stage's ``settings`` (change them with ``configure``)."""
+    return property(lambda stage: getattr(stage.settings, name), doc=doc)
+
+
 @dataclass(frozen=True)
 class Slot:
     """One tensor input of the block template.
@@ -143,25 +148,11 @@ class StageIR(nn.Module):
         validate_midpoints(integrator, settings.basis, self.num_knots, settings.steps, name)
         return settings
 
-    @property
-    def basis(self) -> str:
-        return self.settings.basis
-
-    @property
-    def integrator(self) -> Integrator:
-        return self.settings.integrator
-
-    @property
-    def steps(self) -> int:
-        return self.settings.steps
-
-    @property
-    def backward(self) -> BackwardMode:
-        return self.settings.backward
-
-    @property
-    def checkpoint_every(self) -> int:
-        return self.settings.checkpoint_every
+    basis = _setting("basis", "The weight path's basis, by name.")
+    integrator = _setting("integrator", "The integrator: a Tableau or a reversible scheme.")
+    steps = _setting("steps", "Integration steps over t in [0, 1].")
+    backward = _setting("backward", "The backward mode.")
+    checkpoint_every = _setting("checkpoint_every", "backward='checkpoint' keeps every k-th step's state.")
 
     @property
     def draws_random(self) -> bool:

@@ -152,7 +152,7 @@ class Lattice:
 
         ``finer``: how many bits finer the source's lattice is; it is rounded to the target's first.
         """
-        rounded = self._on_target(source, finer)
+        rounded = self.on_target_lattice(source, finer)
         target.add_(rounded, alpha=times)
         if rounded is not source:
             self.release(rounded)
@@ -160,12 +160,12 @@ class Lattice:
     @_profiled
     def reflect(self, target: Tensor, about: Tensor, finer: int = 0) -> None:
         """target -> 2 about - target, in place (its own inverse); ``about`` as in :meth:`add`."""
-        rounded = self._on_target(about, finer)
+        rounded = self.on_target_lattice(about, finer)
         target.lerp_(rounded, 2.0)  # target + 2 (about - target): every partial result an integer below 2^54
         if rounded is not about:
             self.release(rounded)
 
-    def _on_target(self, source: Tensor, finer: int) -> Tensor:
+    def on_target_lattice(self, source: Tensor, finer: int) -> Tensor:
         """``source`` in counts of a lattice ``finer`` bits coarser (rounded; exact when ``finer`` <= 0)."""
         if finer == 0:
             return source
@@ -174,35 +174,57 @@ class Lattice:
 
     @_profiled
     def pack(
-        self, registers: Sequence[Tensor], layout: Sequence[Register], out: Tensor
-    ) -> tuple[tuple[Tensor | None, ...] | None, str]:
-        """The final registers in compact exact form beside ``out`` (the output register, first, rounded
-        to the dtype): ``(residual of the output, each other register as ``layout`` keeps it, q)``.
+        self, registers: Sequence[Tensor], layout: Sequence[Register]
+    ) -> tuple[Tensor, tuple[Tensor | None, ...] | None, str]:
+        """The output register (the first) rounded to the input's dtype, and the final registers in
+        compact exact form beside it: ``(residual of the output, each other register as ``layout``
+        keeps it, q)``.
 
-        Consumes the registers after the first (a relative one becomes its difference in place).
-        Returns ``(None, why)`` when the counts cannot hold the state exactly. One device sync.
+        Consumes the registers (a relative one becomes its difference in place). The compact form
+        is None, with the reason, when the counts cannot hold the state exactly. One device sync.
         """
         first = registers[0]
-        residual = self.buffer(first).copy_(out).div_(self.quantum).sub_(first).neg_()  # first - out / q
+        out, residual = self._rounded(first)
         kinds = [how.kept for how in layout[1:]]
         pairs = zip(registers[1:], kinds, strict=True)
         others = [r.sub_(first) if kind == "relative" else r for r, kind in pairs]
-        largest = torch.stack([_largest(t) for t in (first, residual, *others)]).tolist()
+        largest = torch.stack([_largest(t) for t in (first, *others)]).tolist()
         if not all(map(math.isfinite, largest)):
-            return None, "its state is not finite (a NaN or inf in the batch, or a field that overflowed)"
-        first_max, residual_max, *other_max = largest
+            why = "its state is not finite (a NaN or inf in the batch, or a field that overflowed)"
+            return out, None, why
+        first_max, *other_max = largest
         # a relative register's bound is |first| + |its difference|: one pass fewer than its own max
         pairs = zip(other_max, kinds, strict=True)
         bounds = [first_max, *(m + first_max * (kind == "relative") for m, kind in pairs)]
         if max(bounds) >= EXACT_COUNTS:
             growth = math.log2(max(bounds)) - lattice_bits(self.dtype)
-            return None, (
-                f"its state grew to 2^{growth:.0f} times its input's magnitude, past the 2^"
-                f"{52 - lattice_bits(self.dtype)} up to which the lattice's float64 arithmetic is exact"
+            return (
+                out,
+                None,
+                (
+                    f"its state grew to 2^{growth:.0f} times its input's magnitude, past the 2^"
+                    f"{52 - lattice_bits(self.dtype)} up to which the lattice's float64 arithmetic is exact"
+                ),
             )
-        kept = _narrowest(residual, residual_max) if residual_max else None  # None: out is exact
+        kept = None if residual is None else _narrowest(residual, self._half_ulp(first_max))
         compact = [_compact(t, m) for t, m in zip(others, other_max, strict=True)]
-        return (kept, *compact, self.quantum), ""
+        return out, (kept, *compact, self.quantum), ""
+
+    def _rounded(self, counts: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``counts * q`` in the input's dtype (a new tensor) and what that rounding left, in counts
+        (None where it is exact: float64 inputs). Four passes: two fewer than value(), then the
+        difference from it."""
+        if not self._via_dtype:
+            return self.value(counts), None
+        low = counts.to(self.dtype)  # counts rounded to the dtype; * q (a power of two) is exact
+        widened = self.buffer(counts).copy_(low)
+        return low.mul_(self._quantum_in_dtype), torch.sub(counts, widened, out=widened)
+
+    def _half_ulp(self, largest: float) -> float:
+        """A bound on the rounding residual of counts up to ``largest``: half a unit in the last place
+        of the input's dtype at ``largest`` (so no pass over the residual is needed to size it)."""
+        mantissa = 1 - round(math.log2(torch.finfo(self.dtype).eps))  # 24 for fp32
+        return 2.0 ** (math.frexp(largest)[1] - 1 - mantissa) if largest else 0.0
 
     @_profiled
     def unpack(

@@ -216,8 +216,7 @@ class LatticeAdjoint(StageFunction):
         context = ForwardContext.capture(x)
         lattice = Lattice(x, half_step(stage))
         registers = _run(program, stage, lattice, context, params[: call.num_knots], lattice.counts(x))
-        out = lattice.value(registers[0])
-        packed, why = lattice.pack(registers, program.scheme.registers, out)
+        out, packed, why = lattice.pack(registers, program.scheme.registers)
         if packed is None:
             _note_fallback(call, why)
 
@@ -266,12 +265,16 @@ def _run(
 ) -> list[Tensor]:
     """The program forward on the lattice from x (counts; the first register starting at x takes it,
     in place); returns the final registers. ``points``, when given, collects every evaluation's input
-    (backward's fallback), else each register's value is one reused buffer."""
-    registers: dict[str, Tensor] = {}
+    (backward's fallback), else each register's value is one reused buffer.
+
+    A register that starts at zero is allocated at its first write, which takes the value written
+    (ALF's first ``p = 2a - p`` is ``p = 2a``, in the increment's own buffer): no zeros to fill.
+    """
+    registers: dict[str, Tensor | None] = {}
     taken = False  # x itself becomes the first register that starts at x; the others copy it
     for r in program.scheme.registers:
         if r.start == "zero":
-            registers[r.name] = torch.zeros_like(x)
+            registers[r.name] = None
         else:
             registers[r.name], taken = (x.clone() if taken else x), True
     increments: dict[str, Tensor] = {}
@@ -289,15 +292,33 @@ def _run(
             increments[op.into] = lattice.increment(delta, registers[op.register], program.finer[op.into])
             del delta
             continue
-        source = registers.get(_source(op))
-        source = increments[_source(op)] if source is None else source
-        if isinstance(op, Add):
+        name = _source(op)
+        if name in registers and registers[name] is None:  # reading a register still at zero
+            registers[name] = torch.zeros_like(x)
+        source = registers[name] if name in registers else increments[name]
+        if registers[op.target] is None:
+            registers[op.target] = _first_write(lattice, op, source, program, owned=name in program.frees[i])
+            if name in program.frees[i]:
+                increments.pop(name)  # now the register's own buffer
+        elif isinstance(op, Add):
             lattice.add(registers[op.target], source, op.times, program.shift(op))
         else:
             lattice.reflect(registers[op.target], source, program.shift(op))
         values.pop(op.target, None)
-        lattice.release(*(increments.pop(name) for name in program.frees[i]))
-    return [registers[r.name] for r in program.scheme.registers]
+        lattice.release(*(increments.pop(n) for n in program.frees[i] if n in increments))
+    return [torch.zeros_like(x) if t is None else t for t in registers.values()]
+
+
+def _first_write(
+    lattice: Lattice, op: Add | Reflect, source: Tensor, program: Program, owned: bool
+) -> Tensor:
+    """The value an op writes into a register still at zero: ``times * source`` for an addition,
+    ``2 * about`` for a reflection (on the target's lattice), in ``source``'s buffer when ``owned``."""
+    factor = op.times if isinstance(op, Add) else 2
+    moved = lattice.on_target_lattice(source, program.shift(op))
+    if moved is not source or owned:
+        return moved.mul_(factor)
+    return torch.mul(source, factor)
 
 
 def _note_fallback(call: StageCall, why: str) -> None:
@@ -510,7 +531,9 @@ class _Cotangents:
         parts = [r.name for r in layout if r.start == "input" and r.name in self.tensors]
         if not parts:  # no cotangent reached the start (a stage whose output ignores its input)
             return torch.zeros_like(self.tensors[self.output_name])
-        total = self.tensors[parts[0]].mul_(float(self.scales[parts[0]]))
+        total = self.tensors[parts[0]]
+        if self.scales[parts[0]] != 1:
+            total.mul_(float(self.scales[parts[0]]))
         for name in parts[1:]:
             total.add_(self.tensors[name], alpha=float(self.scales[name]))
         return total
