@@ -499,3 +499,16 @@ def _completed_epoch(folder: Path) -> int:
 
     with safe_open(str(folder / STATE_FILE), framework="pt") as handle:
         return json.loads(handle.metadata()["odeify_train_state"])["epoch"]
+
+
+def test_training_defaults_to_a_memory_free_mode_per_integrator(native: torch.nn.Module) -> None:
+    """Reversible integrators train reversible (exact, flat memory), any other integrator checkpoint;
+    a stage that already has a memory-free mode keeps it unless the integrator changes."""
+    from odeify.train.manifestations import memory_free_backward
+
+    assert memory_free_backward(native, "alf") == "reversible"
+    assert memory_free_backward(native, "reversible_heun") == "reversible"
+    assert memory_free_backward(native, "rk4") == "checkpoint"
+    assert memory_free_backward(native) == "checkpoint"  # Euler, as converted
+    reverse = odeify.set_backward(native, {"layer1": "reverse"})
+    assert memory_free_backward(reverse) == {"layer1": "reverse", "layer2": "checkpoint"}

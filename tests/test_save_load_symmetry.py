@@ -8,6 +8,7 @@ model that load accepts must save: a 5-channel model's 5-entry mean round-trips.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from fractions import Fraction
 from pathlib import Path
@@ -54,12 +55,17 @@ def _long_digits(digits):
     return odeify.retarget(digits, integrator=_tableau("long", [[0, 0], [1, 0]], [f"1/{q}", f"{q - 1}/{q}"]))
 
 
+def _renamed(name: str) -> odeify.Tableau:
+    """A tableau whose name was changed after ``Tableau.create`` checked it (which refuses these names)."""
+    return dataclasses.replace(_tableau("mine", [[0]], [1]), name=name)
+
+
 def _long_name(digits):
-    return odeify.retarget(digits, integrator=_tableau("x" * 65, [[0]], [1]))
+    return odeify.retarget(digits, integrator=_renamed("x" * 65))
 
 
 def _newline_name(digits):
-    return odeify.retarget(digits, integrator=_tableau("mine\nimport os", [[0]], [1]))
+    return odeify.retarget(digits, integrator=_renamed("mine\nimport os"))
 
 
 def _head_200000(digits):

@@ -89,10 +89,10 @@ def manifestation_arguments(
     backward_help = (
         "training backward pass: backprop (stores everything), checkpoint (exact, stores each step's "
         "state), reverse (memory-free, approximate; explicit integrators) or reversible (memory-free and "
-        "exact; reversible_heun)"
+        "exact; alf, reversible_heun)"
     )
     if finetuning:
-        backward_help += "; default: reversible for reversible_heun, checkpoint otherwise"
+        backward_help += "; default: reversible for alf and reversible_heun, checkpoint otherwise"
     group.add_argument(
         "--backward",
         choices=BACKWARD_MODES,

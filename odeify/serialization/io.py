@@ -33,7 +33,7 @@ from odeify.core.budget import check_input_bytes
 from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.core.fileio import atomic_write_bytes, read_header, read_tensors
 from odeify.core.paths import MODEL_SUFFIX, input_file, output_file
-from odeify.ir.settings import StageSettings
+from odeify.ir.settings import StageRequest
 from odeify.models.archs import build_arch
 from odeify.models.timm_interface import ConvertedModel
 from odeify.serialization.probe import PROBE_PREFIX, check_probe, record_probe
@@ -238,7 +238,7 @@ def _convert_as_recorded(
 ) -> ConvertedModel:
     """The convert pipeline, with the recipe's manifestation for each stage."""
 
-    def settings_for(names: list[str]) -> dict[str, StageSettings]:
+    def settings_for(names: list[str]) -> dict[str, StageRequest]:
         recorded = [entry.name for entry in recipe.stages]
         extra = [name for name in recorded if name not in names]
         missing = [name for name in names if name not in recorded]
@@ -253,7 +253,7 @@ def _convert_as_recorded(
                 "from another architecture, is model= another one, or was the recipe altered?"
             )
         return {
-            entry.name: StageSettings(
+            entry.name: StageRequest(
                 knots=entry.knots,
                 basis=entry.basis,
                 integrator=integrator_of(entry.integrator),

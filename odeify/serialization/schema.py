@@ -37,7 +37,7 @@ from odeify.ir.settings import BACKWARD_MODES
 from odeify.models.archs import check_arch_name, check_file_kwargs
 from odeify.models.data_config import check_data_config
 from odeify.numerics.bases import BASES, MAX_KNOTS
-from odeify.numerics.tableaus import TABLEAUS, ReversibleHeun
+from odeify.numerics.tableaus import KNOWN_INTEGRATORS
 from odeify.serialization.recipe import (
     DTYPES,
     FORMAT,
@@ -213,7 +213,7 @@ def _stages(value: object) -> tuple[StageRecipe, ...]:
 def _integrator(value: object, at: str) -> None:
     """A built-in name, or a small tableau of exact rational strings (checked before any parsing)."""
     if isinstance(value, str):
-        _choice(value, [*TABLEAUS, ReversibleHeun.name], f"{at}: integrator")
+        _choice(value, KNOWN_INTEGRATORS, f"{at}: integrator")
         return
     _expect(isinstance(value, dict) and set(value) == {"name", "a", "b", "order"}, f"{at}: integrator keys")
     b, a = value["b"], value["a"]  # type: ignore[index]

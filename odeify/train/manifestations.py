@@ -12,6 +12,7 @@ from typing import Any
 import torch.fx as fx
 
 from odeify.compiler.conversion import converted_stages, retarget
+from odeify.numerics.tableaus import REVERSIBLE_SCHEMES
 
 __all__ = ["for_training", "memory_free_backward", "native_depth", "refine"]
 
@@ -28,7 +29,7 @@ def for_training(model: fx.GraphModule, backward: str | Mapping[str, str] | None
 
 def memory_free_backward(model: fx.GraphModule, integrator: str | None = None) -> str | dict[str, str]:
     """A memory-free backward mode per stage: the one a stage has (unless ``integrator`` changes it),
-    else reversible for reversible Heun and checkpoint for any other integrator.
+    else reversible for a reversible integrator (ALF, reversible Heun) and checkpoint for any other.
 
     One mode for every stage comes back as a string: odeify's whole-model plan, which also
     recomputes the parts between the stages in backward.
@@ -39,7 +40,7 @@ def memory_free_backward(model: fx.GraphModule, integrator: str | None = None) -
         if stage.backward != "backprop" and integrator is None:
             modes[stage.stage_name] = stage.backward
         else:
-            modes[stage.stage_name] = "reversible" if name == "reversible_heun" else "checkpoint"
+            modes[stage.stage_name] = "reversible" if name in REVERSIBLE_SCHEMES else "checkpoint"
     return modes.popitem()[1] if len(set(modes.values())) == 1 else modes
 
 
