@@ -14,9 +14,10 @@ linear basis and refined to N knots and N steps (N = 8, 16, 32, 64), run on its 
   same dtype and (fp32 runs) in float64, which shows how accurate the fp32 gradient can be;
 - with ``--device cuda``: the step's peak GPU memory over what the stage and input occupy.
 
-Modes: odeify's backprop / checkpoint / reverse (Euler) and reversible (reversible Heun, against
-backprop of reversible Heun), ``torch.utils.checkpoint`` around each Euler step of the unrolled
-stage, and torchdiffeq's ``odeint_adjoint`` (Euler, the same N-step grid, the same field).
+Modes: odeify's backprop / checkpoint / reverse (Euler) and reversible (reversible Heun and ALF,
+each against backprop of the same integrator), ``torch.utils.checkpoint`` around each Euler step
+of the unrolled stage, and torchdiffeq's ``odeint_adjoint`` (Euler, the same N-step grid, the same
+field).
 Writes benchmarks/results/adjoint_memory.md and .png.
 """
 
@@ -30,7 +31,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -43,8 +43,10 @@ from rich.table import Table
 from tables import markdown_table
 
 import odeify
+from odeify.codegen.emit import delta_graph
 from odeify.core.fileio import atomic_write_bytes
 from odeify.models._testing import make_test_model
+from odeify.runtime.reversible import compile_program
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STAGE = "layer3"
@@ -57,7 +59,11 @@ MODES = {  # name: (integrator, odeify backward mode or external method, referen
     "torchdiffeq adjoint": ("euler", "backprop", "backprop"),
     "backprop (rev. Heun)": ("reversible_heun", "backprop", "backprop (rev. Heun)"),
     "reversible": ("reversible_heun", "reversible", "backprop (rev. Heun)"),
+    "backprop (ALF)": ("alf", "backprop", "backprop (ALF)"),
+    "reversible (ALF)": ("alf", "reversible", "backprop (ALF)"),
 }
+REVERSIBLE = {"reversible": "backprop (rev. Heun)", "reversible (ALF)": "backprop (ALF)"}
+"""The reversible rows and the backprop each is measured against."""
 NOTES = """Reading the numbers:
 
 - 'saved' is the activation memory a mode keeps for backward: the input and output (reverse) or
@@ -127,14 +133,14 @@ def _stacked(rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def build_graphs(stage: odeify.ODEStage) -> None:
     """Build (and cache) every graph the modes run: graph building is a one-time cost, not a step's."""
     stage.unrolled_graph()
+    if stage.backward == "reversible":  # the field graphs its lattice program evaluates
+        for t, left in compile_program(stage).field_times():
+            delta_graph(stage, t, left)
+        return
     for n in range(stage.steps):
         stage.step_graph(n)
         if stage.backward == "reverse":
             stage.step_graph(n, "reverse")
-    for m in range(stage.steps + 1):
-        t = Fraction(m, stage.steps)
-        for left in [True] * (m > 0) + [False] * (m < stage.steps):
-            stage.field_graph(t, left)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -283,8 +289,8 @@ def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
         f"{r.time / base.time:.2f}x",
         "-" if math.isnan(r.grad_error) or r.mode == base.mode else f"{r.grad_error:.1e}",
         *truth,
-        str(r.fallbacks) if r.mode == "reverse" else "-",
-        f"{r.worst_error:.1e}" if r.mode in ("reverse", "reversible") else "-",
+        str(r.fallbacks) if r.mode == "reverse" or r.mode in REVERSIBLE else "-",
+        f"{r.worst_error:.1e}" if r.mode == "reverse" or r.mode in REVERSIBLE else "-",
     )
 
 
@@ -295,7 +301,7 @@ def targets(results: list[Result], dtype: str) -> list[str]:
         return sorted((r for r in results if r.mode == mode), key=lambda r: r.steps)
 
     lines = []
-    for mode in ("reverse", "reversible", "backprop"):
+    for mode in ("reverse", *REVERSIBLE, "backprop"):
         rows = of(mode)
         if len(rows) >= 2:
             growth = rows[-1].saved / rows[0].saved
@@ -304,31 +310,8 @@ def targets(results: list[Result], dtype: str) -> list[str]:
                 + (" (target: flat within 10%)" if mode != "backprop" else " (linear would be x"
                    f"{rows[-1].steps / rows[0].steps:.0f})")
             )  # fmt: skip
-    rev = of("reversible")
-    if rev:
-        worst = max(r.grad_error for r in rev)
-        lines.append(f"reversible: worst grad rel. error {worst:.1e} vs {dtype} backprop (target <= 1e-5)")
-        floor = [r.truth_error for r in of("backprop (rev. Heun)") if not math.isnan(r.truth_error)]
-        if floor:
-            mine = max(r.truth_error for r in rev)
-            lines.append(
-                f"against fp64 backprop: reversible errs up to {mine:.1e}, fp32 backprop itself "
-                f"{min(floor):.1e}..{max(floor):.1e}: the stage's fp32 gradient is only that accurate"
-            )
-        again = [r.thread_error for r in of("backprop (rev. Heun)") if not math.isnan(r.thread_error)]
-        if again:
-            lines.append(
-                f"fp32 backprop of reversible Heun on 1 thread differs from itself on "
-                f"{torch.get_num_threads()} threads by {min(again):.1e}..{max(again):.1e}: no fp32 method "
-                "can promise agreement beyond that on this stage"
-            )
-        base = {r.steps: r for r in of("backprop (rev. Heun)")}
-        ratios = [r.time / base[r.steps].time for r in rev if r.steps in base]
-        if ratios:
-            lines.append(
-                f"reversible: step time {min(ratios):.2f}x..{max(ratios):.2f}x backprop of reversible Heun "
-                "(target <= 1.8x)"
-            )
+    for mode, reference in REVERSIBLE.items():
+        lines += _reversible_targets(of(mode), of(reference), mode, dtype)
     errors = {r.steps: r.grad_error for r in of("torchdiffeq adjoint")}
     if errors:
         lines.append(
@@ -336,6 +319,35 @@ def targets(results: list[Result], dtype: str) -> list[str]:
             "error "
             + ", ".join(f"{e:.0%} at {n} steps" for n, e in sorted(errors.items()))
             + "; on the trained digits stage, benchmarks/results/gradient_error.md"
+        )
+    return lines
+
+
+def _reversible_targets(rev: list[Result], base: list[Result], mode: str, dtype: str) -> list[str]:
+    """A reversible row's gradient error (against its backprop, fp64 backprop, and fp32 backprop's own
+    spread across threads) and step time against its backprop."""
+    if not rev:
+        return []
+    worst = max(r.grad_error for r in rev)
+    lines = [f"{mode}: worst grad rel. error {worst:.1e} vs {dtype} backprop (target <= 1e-5)"]
+    floor = [r.truth_error for r in base if not math.isnan(r.truth_error)]
+    if floor:
+        mine = max(r.truth_error for r in rev)
+        lines.append(
+            f"against fp64 backprop: {mode} errs up to {mine:.1e}, fp32 backprop itself "
+            f"{min(floor):.1e}..{max(floor):.1e}: the stage's fp32 gradient is only that accurate"
+        )
+    again = [r.thread_error for r in base if not math.isnan(r.thread_error)]
+    if again:
+        lines.append(
+            f"fp32 {base[0].mode} on 1 thread differs from itself on {torch.get_num_threads()} threads by "
+            f"{min(again):.1e}..{max(again):.1e}: no fp32 method can promise agreement beyond that here"
+        )
+    by_steps = {r.steps: r for r in base}
+    ratios = [r.time / by_steps[r.steps].time for r in rev if r.steps in by_steps]
+    if ratios:
+        lines.append(
+            f"{mode}: step time {min(ratios):.2f}x..{max(ratios):.2f}x {base[0].mode} (target <= 1.8x)"
         )
     return lines
 
@@ -356,7 +368,8 @@ def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repe
         "loading the stage and building its step graphs. 'step s' is the median wall time of",
         f"{repeats} step(s) after the measured one (the first step also pays one-time allocator and",
         "kernel set-up); 'vs backprop' compares with backprop of the same integrator (Euler; reversible",
-        "Heun for 'reversible'), and so does 'grad rel. err' (all knot gradients, one vector); 'err vs",
+        "Heun or ALF for the reversible rows), and so does 'grad rel. err' (all knot gradients, one",
+        "vector); 'err vs",
         "fp64' compares with that backprop run in float64 (fp32 runs only); the targets also compare",
         "fp32 backprop with itself run on one thread.",
         "",

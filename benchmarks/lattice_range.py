@@ -1,13 +1,15 @@
 """Measure: how large the reversible lattice's integer counts get on real weights, and how they are kept.
 
-``backward='reversible'`` holds reversible Heun's state (y, z) as float64 counts of a per-sample
-spacing q, 2^-bits of the input's largest magnitude (``odeify.runtime.reversible.lattice_bits``). What the
-forward keeps for backward, and when it must fall back, depends on how large those counts get:
-the state outgrows the input by the stage's growth, and float64 sums stay exact below 2^52. For
-every stage of resnet50 (random non-trivial weights, standard-normal 224x224 images) and of the
-shipped digits model (its test images), at native and 4x steps, this prints and records the
-largest |count| of y_N, of d_N = z_N - y_N, of y_N's rounding residual to the input dtype, and of
-z along the way, and the integer types the compact state uses.
+``backward='reversible'`` holds a reversible scheme's registers (reversible Heun's (y, z), ALF's
+(z, p = h/2 v)) as float64 counts of a per-sample spacing q, 2^-bits of the input's largest
+magnitude (``odeify.runtime.lattice.lattice_bits``). What the forward keeps for backward, and when
+it must fall back, depends on how large those counts get: the state outgrows the input by the
+stage's growth, and float64 sums stay exact below 2^52. For every stage of resnet50 (random
+non-trivial weights, standard-normal 224x224 images) and of the shipped digits model (its test
+images), at native and 4x steps, for both schemes, this prints and records the largest |count| of
+the output register, of the other register as the forward keeps it (Heun: d_N = z_N - y_N; ALF:
+p_N), of the output's rounding residual to the input dtype, and of every evaluation's input along
+the way, and the integer types the compact state uses.
 Writes benchmarks/results/lattice_range.md.
 """
 
@@ -26,14 +28,15 @@ import odeify
 from odeify.models._testing import make_test_model
 from odeify.models.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.models.loading import load_model
-from odeify.runtime import reversible
-from odeify.runtime.rerun import ForwardContext
+from odeify.runtime.lattice import lattice_bits
+from odeify.runtime.reversible import run_on_lattice
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADERS = (
-    "model", "stage", "steps", "growth (log2)", "y_N", "d_N = z_N - y_N", "y_N residual", "peak z",
-    "residual kept as", "d kept as",
+    "model", "integrator", "stage", "steps", "growth (log2)", "output", "other register (as kept)",
+    "output residual", "peak evaluation input", "residual kept as", "other kept as",
 )  # fmt: skip
+INTEGRATORS = ("reversible_heun", "alf")
 
 
 def stage_inputs(gm: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -54,45 +57,39 @@ def log2(value: float) -> str:
 
 def measure(name: str, model: torch.nn.Module, x: torch.Tensor) -> list[tuple[str, ...]]:
     rows = []
-    for steps in ("native", "x4"):
-        gm = odeify.convert(model, integrator="reversible_heun", steps=steps, input_size=(1, *x.shape[1:]))
-        inputs = stage_inputs(gm, x)
-        for stage in odeify.converted_stages(gm):
-            x_in = inputs[stage.stage_name]
-            lattice = reversible._Lattice(x_in, reversible.half_step(stage))
-            points: list[torch.Tensor] = []
-            with torch.no_grad():
-                y, z = reversible._integrate(
-                    stage,
-                    lattice,
-                    ForwardContext.capture(x_in),
-                    stage.knot_tensors(),
-                    lattice.counts(x_in),
-                    points,
-                )
-                out = lattice.value(y)
-                residual = y - torch.div(out, lattice.quantum)
-                difference = z - y
-                (kept, d, _), why = lattice.pack(y, z, out)  # consumes z
-            assert not why, why
-            peak = max(float((p.double().abs() / lattice.quantum).amax()) for p in points)
-            growth = float((out.abs().amax(dim=(1, 2, 3)) / x_in.abs().amax(dim=(1, 2, 3))).max())
-            rows.append(
-                (
-                    name,
-                    stage.stage_name,
-                    str(stage.steps),
-                    f"{math.log2(growth):.1f}",
-                    log2(float(y.abs().amax())),
-                    log2(float(difference.abs().amax())),
-                    log2(float(residual.abs().amax())),
-                    log2(peak),
-                    "nothing" if kept is None else str(kept.dtype).removeprefix("torch."),
-                    str(d.dtype).removeprefix("torch."),
-                )
-            )
-            print("  " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
+    for integrator in INTEGRATORS:
+        for steps in ("native", "x4"):
+            gm = odeify.convert(model, integrator=integrator, steps=steps, input_size=(1, *x.shape[1:]))
+            inputs = stage_inputs(gm, x)
+            for stage in odeify.converted_stages(gm):
+                rows.append((name, integrator, *_stage_row(stage, inputs[stage.stage_name])))
+                print("  " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def _stage_row(stage: odeify.ODEStage, x_in: torch.Tensor) -> tuple[str, ...]:
+    points: list[torch.Tensor] = []
+    lattice, program, registers = run_on_lattice(stage, x_in, points)
+    out = lattice.value(registers[0])
+    residual = registers[0] - torch.div(out, lattice.quantum)
+    layout = program.scheme.registers
+    other = registers[1] - registers[0] if layout[1].kept == "relative" else registers[1].clone()
+    _, packed, why = lattice.pack(registers, layout)  # consumes the registers after the first
+    assert packed is not None, why
+    kept, compact, _ = packed
+    peak = max(float((p.double().abs() / lattice.quantum).amax()) for p in points)
+    growth = float((out.abs().amax(dim=(1, 2, 3)) / x_in.abs().amax(dim=(1, 2, 3))).max())
+    return (
+        stage.stage_name,
+        str(stage.steps),
+        f"{math.log2(growth):.1f}",
+        log2(float(registers[0].abs().amax())),
+        log2(float(other.abs().amax())),
+        log2(float(residual.abs().amax())),
+        log2(peak),
+        "nothing" if kept is None else str(kept.dtype).removeprefix("torch."),
+        str(compact.dtype).removeprefix("torch."),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,19 +101,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure("digits", load_model(DEFAULT_MODEL_PATH), load_digits("test")[0])
     images = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     rows += measure("resnet50", make_test_model("resnet50"), images)
-    bits = reversible.lattice_bits(torch.float32)
+    bits = lattice_bits(torch.float32)
     command = command_line(__file__, argv)
     lines = [
         "# How large the reversible lattice's counts get",
         "",
         f"fp32 inputs, lattice spacing q = 2^-{bits} of each sample's largest |input| (rounded up to",
         "a power of two). Counts are log2 of the largest |value| / q over the batch; 'growth' is log2",
-        "of the largest ratio of a sample's max |output| to its max |input|. 'peak z' is the largest",
-        "z along the way. The forward keeps states below 2^52 counts, where the float64 sums are",
-        f"exact (growth below 2^{52 - bits}); the residual of y_N to fp32 and d_N are kept in the",
-        "narrowest integer type that holds them (d: int32 or float64).",
+        "of the largest ratio of a sample's max |output| to its max |input|. 'output' is the output",
+        "register (reversible Heun's y_N, ALF's z_N); 'other register' reversible Heun's",
+        "d_N = z_N - y_N and ALF's p_N = h/2 v_N, as the forward keeps them; 'peak evaluation",
+        "input' the largest register a field was evaluated at. The forward keeps registers below",
+        f"2^52 counts, where the float64 sums are exact (growth below 2^{52 - bits}); the output's",
+        "residual to fp32 and the other register are kept in the narrowest integer type that holds",
+        "them (the other register: int32 or float64).",
         "",
-        *markdown_table(HEADERS, rows, text_columns=2),
+        *markdown_table(HEADERS, rows, text_columns=3),
         "",
         *provenance(command),
     ]

@@ -26,7 +26,12 @@ __all__ = ["PARSER", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     """A parser of the train.py flags above; ``parse_args`` gives train.py's values for them."""
     parser = argparse.ArgumentParser(description="the train.py flags of the odeify corpus", add_help=False)
+    for add_group in _GROUPS:
+        add_group(parser)
+    return parser
 
+
+def _data(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data (create_dataset)")
     data.add_argument("--data-dir", metavar="DIR")
     data.add_argument("--dataset", default="", metavar="NAME", help="'' is an ImageFolder")
@@ -34,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--val-split", default="validation", metavar="NAME")
     data.add_argument("--class-map", default="", metavar="FILENAME")
 
+
+def _model(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (create_model; odeify's loaders read these back)")
     model.add_argument("--model", default="resnet50", metavar="MODEL")
     model.add_argument("--pretrained", action="store_true")
@@ -50,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--bn-momentum", type=float)
     model.add_argument("--bn-eps", type=float)
 
+
+def _data_config(parser: argparse.ArgumentParser) -> None:
     config = parser.add_argument_group("data config (resolve_data_config; None or '': the model's)")
     config.add_argument("--img-size", type=int, metavar="N")
     config.add_argument("--input-size", type=int, nargs=3, metavar="N", help="C H W")
@@ -58,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--std", type=float, nargs="+", metavar="STD")
     config.add_argument("--interpolation", default="", metavar="NAME")
 
+
+def _loaders(parser: argparse.ArgumentParser) -> None:
     loader = parser.add_argument_group("loaders (create_loader)")
     loader.add_argument("-b", "--batch-size", type=int, default=128, metavar="N")
     loader.add_argument("-vb", "--validation-batch-size", type=int, metavar="N", help="None: batch size")
@@ -69,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--epoch-repeats", type=float, default=0.0, metavar="N")
     loader.add_argument("--train-batches-per-epoch", type=int, metavar="N", help="None: the whole split")
 
+
+def _training_transforms(parser: argparse.ArgumentParser) -> None:
     augment = parser.add_argument_group("training transforms (create_loader with is_training=True)")
     augment.add_argument("--no-aug", action="store_true")
     augment.add_argument("--train-crop-mode", metavar="MODE")
@@ -89,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     augment.add_argument("--train-interpolation", default="random", metavar="NAME")
     augment.add_argument("--smoothing", type=float, default=0.1, help="label smoothing of the loss")
 
+
+def _optimizer(parser: argparse.ArgumentParser) -> None:
     opt = parser.add_argument_group("optimizer (timm.optim.optimizer_kwargs)")
     opt.add_argument("--opt", default="sgd", metavar="OPTIMIZER")
     opt.add_argument("--lr", type=float, metavar="LR", help="None: train.py scales --lr-base")
@@ -101,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--layer-decay-no-opt-scale", type=float)
     opt.add_argument("--opt-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="KEY=VALUE")
 
+
+def _schedule(parser: argparse.ArgumentParser) -> None:
     sched = parser.add_argument_group("schedule (timm.scheduler.scheduler_kwargs)")
     sched.add_argument("--sched", default="cosine", metavar="SCHEDULER")
     sched.add_argument("--sched-on-updates", action="store_true")
@@ -122,18 +139,33 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--lr-cycle-limit", type=int, default=1, metavar="N")
     sched.add_argument("--lr-k-decay", type=float, default=1.0)
 
+
+def _weight_average(parser: argparse.ArgumentParser) -> None:
     ema = parser.add_argument_group("weight average (ClassificationTask.setup_ema)")
     ema.add_argument("--model-ema", action="store_true")
     ema.add_argument("--model-ema-decay", type=float, default=0.9998)
     ema.add_argument("--model-ema-warmup", action="store_true")
 
+
+def _run(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("the run (seeding, CheckpointSaver, the output folder)")
     run.add_argument("--seed", type=int, default=42, metavar="S")
     run.add_argument("--eval-metric", default="top1", metavar="EVAL_METRIC", help="ranks the checkpoints")
     run.add_argument("--checkpoint-hist", type=int, default=10, metavar="N")
     run.add_argument("--output", default="", metavar="PATH")
     run.add_argument("--experiment", default="", metavar="NAME")
-    return parser
 
+
+_GROUPS = (
+    _data,
+    _model,
+    _data_config,
+    _loaders,
+    _training_transforms,
+    _optimizer,
+    _schedule,
+    _weight_average,
+    _run,
+)
 
 PARSER = build_parser()

@@ -24,7 +24,7 @@ from torch import nn
 
 from odeify.core.budget import check_fit_work, check_knot_bytes
 from odeify.core.errors import ConfigError
-from odeify.ir.settings import StageSettings, resolve_steps, validate_backward
+from odeify.ir.settings import StageRequest, resolve_steps, validate_backward
 from odeify.ir.stage_ir import StageIR
 from odeify.numerics.bases import fit_matrix, get_basis, validate_knots
 from odeify.numerics.tableaus import resolve_integrator
@@ -44,8 +44,8 @@ SET_MANIFESTATION = transformation(
 
 
 @graph_pass(SET_MANIFESTATION)
-def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageSettings]) -> None:
-    """Apply ``settings`` ({stage name: StageSettings}) to the stages of ``gm``, in place.
+def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> None:
+    """Apply ``settings`` ({stage name: StageRequest}) to the stages of ``gm``, in place.
 
     Every request is validated, and every knot budget checked, before any stage changes: a refused
     call changes nothing.
@@ -64,7 +64,7 @@ def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageSettings])
         )
 
 
-def check_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageSettings]) -> dict[str, int]:
+def check_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> dict[str, int]:
     """Validate ``settings`` against the stages of ``gm`` (either form) without changing anything.
 
     Returns each named stage's knot count after the change. For a caller that changes a model in
@@ -95,7 +95,7 @@ def _stages_of(gm: fx.GraphModule) -> dict[str, StageIR]:
     return {m.stage_name: m for m in gm.children() if isinstance(m, StageIR)}
 
 
-def _validated(stage: StageIR, request: StageSettings) -> int:
+def _validated(stage: StageIR, request: StageRequest) -> int:
     """Check ``request`` against ``stage`` without changing it; returns the knot count it asks for."""
     basis = request.basis if request.basis is not None else stage.basis
     get_basis(basis)

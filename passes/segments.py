@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from odeify.core.errors import ConfigError
@@ -42,6 +41,7 @@ from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
 from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.properties import SEGMENTS
+from odeify.runtime.rerun import training_batchnorm
 
 __all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments", "without_segments"]
 
@@ -86,16 +86,16 @@ class Segment(nn.Module):
 
 
 def _refuse_training_batchnorm(module: nn.Module, path: str) -> None:
-    for name, sub in module.named_modules():
-        if isinstance(sub, _BatchNorm) and sub.training:
-            where = f"{path}.{name}" if name else path
-            raise ConfigError(
-                f"BatchNorm '{where}' is in training mode inside a part of the model that odeify "
-                "recomputes in backward (to keep the whole model memory-free): the recompute would "
-                "update its running statistics a second time. Fold it into the conv before it "
-                "(odeify.convert does), freeze it with .eval(), or train with backward='backprop' "
-                "(or a per-stage dict) so that nothing outside the stages is recomputed."
-            )
+    name = training_batchnorm(module)
+    if name is not None:
+        where = f"{path}.{name}" if name else path
+        raise ConfigError(
+            f"BatchNorm '{where}' is in training mode inside a part of the model that odeify "
+            "recomputes in backward (to keep the whole model memory-free): the recompute would "
+            "update its running statistics a second time. Fold it into the conv before it "
+            "(odeify.convert does), freeze it with .eval(), or train with backward='backprop' "
+            "(or a per-stage dict) so that nothing outside the stages is recomputed."
+        )
 
 
 @graph_pass(CHECKPOINT_SEGMENTS)

@@ -3,7 +3,9 @@
 ``write_cases(valid, folder)`` derives every case from one valid file written by ``odeify.save``:
 damaged containers (truncated, wrong header, not safetensors), hostile or broken recipes (huge
 numbers, bad types, extra keys, path sources, hub names, build kwargs that read files or fetch),
-and tensors that do not fit (wrong shapes, fp16/int32/fp64, NaN/inf, missing, extra). ``run_cases``
+and tensors that do not fit (wrong shapes, fp16/int32/fp64, NaN/inf, missing, extra), and files whose
+tensors fit but whose recipe was changed so that the rebuilt model computes something else (the
+probe catches those). ``run_cases``
 loads each in this process under a per-case alarm and classifies the outcome: ``clean`` (an
 OdeifyError), ``raw`` (any other exception), ``accepted`` (it loaded) or ``hang`` (over the limit).
 
@@ -28,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 RECIPE_KEY = "odeify_converted"
+PROBE = "@probe/"
 
 
 def _read(valid: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -93,7 +96,13 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     put("recipe text", "recipe_deeply_nested", text="[" * 100_000 + "]" * 100_000)
     put("recipe text", "recipe_300_kib", text=json.dumps({**recipe, "pad": "x" * 300_000}))
     # --- format, versions, keys
-    put("recipe schema", "version_newer", top("version", 2))
+    put("recipe schema", "version_newer", top("version", 3))
+    put("recipe schema", "version_2e64", top("version", 2**64))
+    put("recipe schema", "version_float", top("version", 1.0))
+    put("recipe schema", "version_negative", top("version", -1))
+    put("recipe schema", "version_1e999", text=json.dumps(recipe).replace('"version": 2', '"version": 1e999'))
+    put("recipe schema", "duplicate_key", text=json.dumps(recipe)[:-1] + ', "dtype": "float64"}')
+    put("recipe schema", "nan_literal", text=json.dumps(recipe).replace('"seed": 0', '"seed": NaN'))
     put("recipe schema", "version_missing", lambda b: b.pop("version"))
     put("recipe schema", "version_string", top("version", "1"))
     put("recipe schema", "version_bool", top("version", True))
@@ -108,6 +117,9 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     put("recipe schema", "stage_missing_key", lambda b: b["stages"][0].pop("basis"))
     put("recipe schema", "stage_extra_key", stage("device", "cuda"))
     put("recipe schema", "stage_not_object", lambda b: b["stages"].__setitem__(0, "layer1"))
+    put("recipe schema", "stage_missing", lambda b: b["stages"].pop())
+    put("recipe schema", "stage_twice", lambda b: b.__setitem__("stages", [b["stages"][0]] * 2))
+    put("recipe schema", "stage_name_newline", stage("name", "layer1\nimport os"))
     # --- numbers
     steps = {"1e9": 10**9, "1e5": 100_000, "float_1e9": 1e9, "2e70": 2**70, "negative": -1, "zero": 0,
              "string": "4", "bool": True, "null": None, "nan": float("nan")}  # fmt: skip
@@ -144,6 +156,11 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     put("tableau", "not_square", tableau(a=[["0"], ["1", "0"]]))
     put("tableau", "wrong_order_claim", tableau(order=3, a=[["0", "0"], ["1", "0"]], b=["1/2", "1/2"]))
     put("tableau", "name_10k", tableau(name="x" * 10_000))
+    put("tableau", "name_newline", tableau(name="mine\nimport os"))
+    put("tableau", "name_markup", tableau(name="[/x]"))
+    put("tableau", "name_65", tableau(name="x" * 65))
+    put("tableau", "stages_17", tableau(a=[["0"] * 17] * 17, b=["1/17"] * 17, order=1))
+    put("tableau", "entry_30_digits", tableau(b=["1/" + "9" * 30, "0"]))
     # --- architecture and build kwargs
     for value, label in (("hf-hub:timm/resnet18.a1_in1k", "hub_name"), ("local-dir:/etc", "local_dir"),
                          ("/etc/passwd", "absolute_path"), ("../../etc/passwd", "relative_path"),
@@ -181,6 +198,53 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
         "pretrained_cfg_huge_mean",
         lambda b: b["pretrained_cfg"].__setitem__("mean", [0.5] * 10**5),
     )
+    bad_data_config = {
+        "std_zero": ("std", [0.0]),
+        "std_negative": ("std", [-0.3]),
+        "mean_wrong_length": ("mean", [0.1, 0.2]),
+        "input_size_zero": ("input_size", [1, 0, 32]),
+        "input_size_negative": ("input_size", [1, -32, 32]),
+        "input_size_1e308": ("input_size", [1, 1e308, 32]),
+        "input_size_strings": ("input_size", ["1", "32", "32"]),
+        "input_size_two": ("input_size", [32, 32]),
+        "interpolation_unknown": ("interpolation", "magic"),
+        "crop_pct_negative": ("crop_pct", -0.5),
+        "crop_pct_zero": ("crop_pct", 0.0),
+        "license_5k": ("license", "x" * 5000),
+    }
+    for label, (key, value) in bad_data_config.items():
+        put(
+            "data config",
+            f"pretrained_cfg_{label}",
+            lambda b, k=key, v=value: b["pretrained_cfg"].update({k: v}),
+        )
+    nan_crop = {**recipe, "pretrained_cfg": {**recipe["pretrained_cfg"], "crop_pct": float("nan")}}
+    put("data config", "pretrained_cfg_crop_nan", text=json.dumps(nan_crop))
+    # --- tensors fit, the function differs: only the probe tells (or the schema, where it can)
+    put("computes otherwise", "kwargs_act_layer_gelu", kwargs(act_layer="gelu"))
+    put("computes otherwise", "kwargs_global_pool_max", kwargs(global_pool="max"))
+    put("computes otherwise", "kwargs_layers_5_4", kwargs(layers=[5, 4]))
+    put("computes otherwise", "input_shape_64_1_1_1", top("input_shape", [64, 1, 1, 1]))
+    put("computes otherwise", "stage_integrator_rk4", stage("integrator", "rk4"))
+    put("computes otherwise", "stage_steps_2", lambda b: b["stages"][0].update(steps=2, checkpoint_every=1))
+    put("computes otherwise", "probe_seed_other", lambda b: b["probe"].__setitem__("seed", 1))
+    shifted = {k: v + 1 if k.startswith(PROBE) else v for k, v in tensors.items()}
+    put("computes otherwise", "probe_values_shifted", state=shifted)
+    put(
+        "computes otherwise",
+        "probe_tensor_missing",
+        state={k: v for k, v in tensors.items() if k != PROBE + "output"},
+    )
+    put("computes otherwise", "probe_point_unknown", lambda b: b["probe"]["points"].append(["evil", 0.0]))
+    put("computes otherwise", "probe_error_negative", lambda b: b["probe"]["points"][0].__setitem__(1, -1.0))
+    # --- sizes a few bytes can ask for: refused against a budget, before anything is allocated
+    put("resources", "input_shape_2_64_4096_4096", top("input_shape", [2, 64, 4096, 4096]))
+    put(
+        "resources",
+        "module_points_at_extra_tensor",
+        lambda b: b["stages"][0].update(module="evil", knots=4096),
+        state={**tensors, "evil.knots.x": torch.zeros(4096, 1)},
+    )
     # --- tensors
     knot = next(k for k in tensors if ".knots." in k and tensors[k].ndim == 5)
     head = "fc.weight"
@@ -208,6 +272,7 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     put("tensors", "extra_tensor", state={**tensors, "evil.weight": torch.zeros(3)})
     put("tensors", "no_tensors", state={})
     put("tensors", "scalar_for_knots", state={**tensors, knot: torch.tensor(1.0)})
+    put("tensors", "one_bool", state={**tensors, head: tensors[head] > 0})
     return cases
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 import warnings
@@ -20,7 +21,10 @@ from odeify.core.errors import ConfigError
 from odeify.models._testing import make_test_model
 from odeify.models.digits import DEFAULT_MODEL_PATH, load_digits
 from odeify.models.loading import load_model
+from odeify.numerics.schemes import AsyncLeapfrog, ReversibleHeun
 from odeify.runtime import adjoint, rerun, reversible
+from odeify.runtime import stage as runtime_stage
+from odeify.runtime.lattice import Lattice
 
 FP64_TOL = {"checkpoint": 1e-12, "reversible": 1e-10}
 """Relative gradient error allowed vs backprop in float64, where both are exact to round-off."""
@@ -30,6 +34,10 @@ may be 2x float32 backprop's own (measured on AMD EPYC, torch 2.14: at most 1.03
 case here; reversible is often far closer to float64 than float32 backprop, 2e-7 against 2e-3 on
 the deep linear-path stages)."""
 
+
+SCHEMES = ["reversible_heun", "alf"]
+"""The reversible integrators ``backward='reversible'`` runs, on one lattice runtime: every test of it
+runs both."""
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,12 +127,13 @@ def test_checkpoint_and_reversible_match_backprop_on_resnet18(resnet18, dtype) -
     ref = backprop_reference(resnet18[dtype], x, cot)
     assert_matches_backprop(grads_of(with_backward(resnet18[dtype], "checkpoint"), x, cot), ref, "checkpoint")
 
-    heun = odeify.retarget(resnet18[dtype], integrator="reversible_heun")
-    ref = backprop_reference(heun, x, cot)
-    reversible = with_backward(heun, "reversible")
-    assert all(s.backward == "reversible" for s in odeify.converted_stages(reversible))
-    assert_matches_backprop(grads_of(reversible, x, cot), ref, "reversible")
-    assert all(s.adjoint_stats.backward_passes == 1 for s in odeify.converted_stages(reversible))
+    for scheme in SCHEMES:
+        manifestation = odeify.retarget(resnet18[dtype], integrator=scheme)
+        ref = backprop_reference(manifestation, x, cot)
+        reversible = with_backward(manifestation, "reversible")
+        assert all(s.backward == "reversible" for s in odeify.converted_stages(reversible))
+        assert_matches_backprop(grads_of(reversible, x, cot), ref, "reversible")
+        assert all(s.adjoint_stats.backward_passes == 1 for s in odeify.converted_stages(reversible))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -139,10 +148,11 @@ def test_resnet50_layer3_stage_matches_backprop(dtype) -> None:
     assert_matches_backprop(stage_grads(stage, "checkpoint", x, cot), ref, "checkpoint")
     # a plain floating-point inverse amplifies fp32 round-off ~3x per step on this expansive
     # random-weight stage (it erred by 2e-2 here); the lattice state rebuilds every state exactly
-    stage.configure(integrator="reversible_heun", steps=10)
-    ref = stage_reference(stage, x, cot)
-    assert_matches_backprop(stage_grads(stage, "reversible", x, cot), ref, "reversible")
-    assert stage.adjoint_stats.last_errors == [0.0]
+    for scheme in SCHEMES:
+        stage.configure(integrator=scheme, steps=10)
+        ref = stage_reference(stage, x, cot)
+        assert_matches_backprop(stage_grads(stage, "reversible", x, cot), ref, "reversible")
+        assert stage.adjoint_stats.last_errors == [0.0]
 
 
 # -- exactness: deep synthetic stages ------------------------------------------------------------
@@ -164,10 +174,11 @@ def test_deep_stages_match_backprop(dtype, knots, steps, every) -> None:
     stage.configure(checkpoint_every=every)
     assert_matches_backprop(stage_grads(stage, "checkpoint", x, cot), ref, "checkpoint")
 
-    stage.configure(integrator="reversible_heun")
-    ref = stage_reference(stage, x, cot)
-    assert_matches_backprop(stage_grads(stage, "reversible", x, cot), ref, "reversible")
-    assert stage.adjoint_stats.last_errors == [0.0]  # the rebuilt y_0 and z_0 agree bit for bit
+    for scheme in SCHEMES:
+        stage.configure(integrator=scheme)
+        ref = stage_reference(stage, x, cot)
+        assert_matches_backprop(stage_grads(stage, "reversible", x, cot), ref, "reversible")
+        assert stage.adjoint_stats.last_errors == [0.0]  # the rebuilt start registers agree bit for bit
 
 
 # -- reverse: approximate, within what it reports ------------------------------------------------
@@ -200,8 +211,9 @@ def test_reverse_falls_back_to_exact_checkpointing_and_warns_once(resnet18) -> N
     ref_gm = with_backward(resnet18[torch.float64], "checkpoint")
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     cot = torch.randn(2, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    with pytest.warns(RuntimeWarning, match="could not rebuild its states") as caught:
+    with pytest.warns(odeify.FallbackWarning, match="could not rebuild its states") as caught:
         got = grads_of(gm, x, cot)
+    assert {w.filename for w in caught} == {__file__}  # the line that ran backward
     stages = odeify.converted_stages(gm)
     deep = [s for s in stages if s.steps > 1]
     assert deep and len(caught) == len(deep)  # one warning per stage that has a step to rebuild
@@ -258,15 +270,17 @@ def test_drop_path_is_replayed_by_checkpoint(drop_path_model) -> None:
     assert rel(other["x"], ref["x"]) > 1e-3  # other masks, other gradient: not vacuous
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("basis", ["constant", "linear"])
-def test_drop_path_is_replayed_by_reversible(drop_path_model, basis) -> None:
+def test_drop_path_is_replayed_by_reversible(drop_path_model, basis, scheme) -> None:
     """Stage level: the reference is the stage's own eager backprop.
 
-    With DropPath every field evaluation is its own draw, so each point z_m runs two; on the linear
-    path between the 2 knots both read both knots, and their knot gradients must add, not merge.
+    With DropPath every field evaluation is its own draw, so reversible Heun's points z_m run two;
+    on the linear path between the 2 knots both read both knots, and their knot gradients must
+    add, not merge. ALF draws once per step, at the midpoint.
     """
     stage = odeify.converted_stages(drop_path_model)[0].standalone()
-    stage.configure(integrator="reversible_heun", basis=basis)
+    stage.configure(integrator=scheme, basis=basis)
     assert stage.num_knots == 2
     x = torch.randn(4, 64, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -290,7 +304,7 @@ def test_cuda_replays_drop_path_and_keeps_the_cuda_stream(drop_path_model) -> No
         torch.cuda.manual_seed(123)
         return stage_grads(stage, mode, x, cot), torch.rand(3, device="cuda")
 
-    for integrator, mode in [("euler", "checkpoint"), ("reversible_heun", "reversible")]:
+    for integrator, mode in [("euler", "checkpoint"), *((scheme, "reversible") for scheme in SCHEMES)]:
         stage.configure(integrator=integrator, checkpoint_every=2)
         ref, after_ref = run("backprop")
         got, after = run(mode)
@@ -334,15 +348,16 @@ BF16_FACTOR = 1.5
 is (measured on AMD EPYC: checkpoint 1.00x, reversible 1.03x; bf16 backprop is 6e-2 from float64)."""
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "reversible"])
-def test_mixed_precision_is_replayed(mode) -> None:
+@pytest.mark.parametrize(
+    ("mode", "integrator"), [("checkpoint", "euler"), *(("reversible", s) for s in SCHEMES)]
+)
+def test_mixed_precision_is_replayed(mode, integrator) -> None:
     """Re-runs in backward see the forward's autocast state, as autograd through the graph does.
 
-    Reversible Heun rebuilds its lattice states exactly under autocast too, but those states differ
-    from the unrolled graph's fp32 ones by fp32 round-off, which flips bf16 roundings of the fields'
-    inputs: both are judged by their distance from float64 backprop, to bf16 accuracy.
+    The reversible schemes rebuild their lattice states exactly under autocast too, but those states
+    differ from the unrolled graph's fp32 ones by fp32 round-off, which flips bf16 roundings of the
+    fields' inputs: both are judged by their distance from float64 backprop, to bf16 accuracy.
     """
-    integrator = "reversible_heun" if mode == "reversible" else "euler"
     stage = digits_stage(0, torch.float32, knots=8, steps=8, basis="linear", integrator=integrator)
     x = stage_input(stage, 2, torch.float32)
     cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
@@ -376,27 +391,45 @@ def test_step_graphs_take_only_the_knots_they_read(monkeypatch) -> None:
         add(self, run, grads)
 
     monkeypatch.setattr(rerun.ParamGrads, "add", recording)
-    for integrator, mode in [("euler", "checkpoint"), ("reversible_heun", "reversible")]:
+    # at the knots (Euler steps, reversible Heun's points) one row; ALF's midpoints read the two knots
+    # around them, but the last, past the last knot (7/8), where the path holds its end value
+    for integrator, mode, rows in [
+        ("euler", "checkpoint", {1}),
+        ("reversible_heun", "reversible", {1}),
+        ("alf", "reversible", {1, 2}),
+    ]:
+        rows_per_gradient.clear()
         stage.configure(basis="linear", integrator=integrator, steps=8, backward=mode)
         stage(stage_input(stage, 2, torch.float32)).sum().backward()
-    assert rows_per_gradient and set(rows_per_gradient) == {1}
+        assert rows_per_gradient and set(rows_per_gradient) == rows, integrator
 
 
-@pytest.mark.parametrize("basis", ["constant", "linear"])
-def test_reversible_forward_evaluates_the_fields_the_unrolled_graph_does(monkeypatch, basis) -> None:
-    """Where the weight path is continuous (linear), B_{m-1} and A_m are one evaluation.
+@pytest.mark.parametrize(
+    ("scheme", "basis", "per_step", "once"),
+    [
+        ("reversible_heun", "constant", 2, 0),
+        ("reversible_heun", "linear", 1, 1),
+        ("alf", "constant", 1, 0),
+        (AsyncLeapfrog("field"), "constant", 1, 1),
+    ],
+    ids=["heun-constant", "heun-linear", "alf", "alf-field-start"],
+)
+def test_reversible_forward_evaluates_the_fields_the_unrolled_graph_does(
+    monkeypatch, scheme, basis, per_step, once
+) -> None:
+    """Where the weight path is continuous (linear), reversible Heun's B_{m-1} and A_m are one evaluation.
 
-    The oracle is the unrolled reversible-Heun graph's NFE (emit shares an evaluation by its own
-    rule); the constant path evaluates twice per step, the linear one steps + 1 times.
+    The oracle is the unrolled graph's NFE (emit shares an evaluation by its own rule): reversible
+    Heun evaluates twice per step on the constant path, steps + 1 times on the linear one; ALF once
+    per step, and once more at t = 0 when v_0 = F(t_0, z_0).
     """
     stage = digits_stage(0, torch.float32, knots="native", steps="native", basis=basis)
-    stage.configure(integrator="reversible_heun", backward="reversible")
+    stage.configure(integrator=scheme, backward="reversible")
     graphs = []
     delta_graph = reversible.delta_graph
     monkeypatch.setattr(reversible, "delta_graph", lambda *a: graphs.append(a) or delta_graph(*a))
     stage(stage_input(stage, 2, torch.float32))  # forward only: backward evaluates each field again
-    expected = {"constant": 2 * stage.steps, "linear": stage.steps + 1}[basis]
-    assert len(graphs) == emit.count_evaluations(stage) == expected
+    assert len(graphs) == emit.count_evaluations(stage) == per_step * stage.steps + once
 
 
 def test_saved_memory_is_flat_in_depth() -> None:
@@ -422,11 +455,12 @@ def test_saved_memory_is_flat_in_depth() -> None:
 
     state = stage_input(digits_stage(0, torch.float32), 2, torch.float32)
     state_bytes = state.numel() * state.element_size()
-    # reverse: x and x_N. reversible: its output y_N, y_N's rounding residual (int8 counts: this stage
-    # grows its input less than 2^5), d = z_N - y_N (int32 counts) and a lattice spacing per sample
+    # reverse: x and x_N. reversible: its output (y_N, ALF's z_N), its rounding residual (int8 counts:
+    # this stage grows its input less than 2^5), the other register (d = z_N - y_N, ALF's p_N = h/2 v_N;
+    # int32 counts) and a lattice spacing per sample
     for integrator, mode, size in [
         ("euler", "reverse", 2 * state_bytes),
-        ("reversible_heun", "reversible", state_bytes * 9 // 4 + 8 * len(state)),
+        *((scheme, "reversible", state_bytes * 9 // 4 + 8 * len(state)) for scheme in SCHEMES),
     ]:
         sizes = [
             saved_bytes(digits_stage(0, torch.float32, knots=n, steps=n, integrator=integrator), mode)
@@ -449,6 +483,8 @@ def test_reversible_needs_reversible_heun(resnet18) -> None:
         odeify.convert(model, backward="reversible")
     with pytest.raises(ConfigError, match="reversible"):
         odeify.convert(model, integrator="reversible_heun", backward="reverse")
+    with pytest.raises(ConfigError, match="integrator='alf' is inverted exactly"):
+        odeify.convert(model, integrator="alf", backward="reverse")
     stage = digits_stage(0, torch.float32, integrator="reversible_heun", backward="reversible")
     with pytest.raises(ConfigError, match="reversible_heun"):
         stage.configure(integrator="euler", steps=8)  # refused as a whole: nothing changes
@@ -459,9 +495,9 @@ def test_unknown_backward_mode(resnet18) -> None:
     with pytest.raises(ConfigError, match="unknown backward mode 'adjoint'"):
         odeify.set_backward(resnet18[torch.float32], "adjoint")
     stage = digits_stage(0, torch.float32)
-    stage.backward = "adjoint"  # bypassing configure's validation still fails clearly
+    stage.settings = dataclasses.replace(stage.settings, backward="adjoint")  # bypassing configure's checks
     with pytest.raises(ConfigError, match="'adjoint'"):
-        adjoint.integrate_with_adjoint(stage, stage_input(stage, 1, torch.float32))
+        runtime_stage.integrate_with_adjoint(stage, stage_input(stage, 1, torch.float32))
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "2"])
@@ -479,7 +515,9 @@ def input_grads(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x.grad
 
 
-@pytest.mark.parametrize(("integrator", "mode"), [("euler", "reverse"), ("reversible_heun", "reversible")])
+@pytest.mark.parametrize(
+    ("integrator", "mode"), [("euler", "reverse"), *((s, "reversible") for s in SCHEMES)]
+)
 def test_a_nan_sample_leaves_the_clean_samples_gradients_exact(integrator, mode) -> None:
     """One NaN sample made reverse's reconstruction error NaN, which passed the tolerance check, and
     made reversible's rebuild check pass unwarned: the clean samples' gradients were 49% wrong.
@@ -487,7 +525,8 @@ def test_a_nan_sample_leaves_the_clean_samples_gradients_exact(integrator, mode)
     Now a non-finite error or state is a failure: the pass falls back to an exact one, and says so.
     """
     clean = load_digits("test")[0][:4]
-    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH), integrator=integrator, steps=2)
+    steps = "native" if integrator == "alf" else 2  # ALF at 2 steps over 4 blocks is refused
+    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH), integrator=integrator, steps=steps)
     want = {"x": input_grads(gm, clean)}  # float32 backprop
     exact = {"x": input_grads(as_float64(gm), clean.double())}
     with_nan = torch.cat([clean, torch.full_like(clean[:1], math.nan)])
@@ -502,39 +541,43 @@ def test_a_nan_sample_leaves_the_clean_samples_gradients_exact(integrator, mode)
 
 
 def test_reversible_lattice_holds_states_exactly_up_to_its_bound() -> None:
-    """Counts below 2^52 are kept exactly (in the narrowest integer type); at 2^52 or non-finite, refused."""
+    """Counts below 2^52 are kept exactly (int8..int32, 5 bytes, float64: the narrowest that holds them);
+    at 2^52 or non-finite, refused."""
     x = torch.ones(2, 3)
-    lattice = reversible._Lattice(x, Fraction(1, 8))
+    grid = Lattice(x, Fraction(1, 8))
+    layout = ReversibleHeun.registers  # y, then z kept as z - y
     for y_count, d_count, d_type in [
         (2.0**52 - 2**32, 2**31 - 1, torch.int32),
+        (1e6, -(2.0**35) - 3, torch.uint8),  # 5 bytes per count below 2^39
         (1e6, 2.0**40, torch.float64),
     ]:
         y = torch.full((2, 3), y_count, dtype=torch.float64)
         z = y + d_count
-        out = lattice.value(y)
-        (residual, d, _), why = lattice.pack(y, z.clone(), out)  # pack consumes z
+        out, (residual, d, _), why = grid.pack([y, z.clone()], layout)  # pack consumes z
+        assert torch.equal(out, grid.value(y))
         assert not why and d.dtype == d_type
         assert residual is None or residual.dtype in (torch.int8, torch.int16, torch.int32)
-        rebuilt = lattice.unpack(out, residual, d)
+        rebuilt = grid.unpack(out, (residual, d), layout)
         assert torch.equal(rebuilt[0], y) and torch.equal(rebuilt[1], z)
     for bad, reason in [(2.0**52, "grew"), (math.inf, "not finite"), (math.nan, "not finite")]:
         y = torch.full((2, 3), bad, dtype=torch.float64)
-        packed, why = lattice.pack(y, y.clone(), lattice.value(y))
+        _, packed, why = grid.pack([y, y.clone()], layout)
         assert packed is None and reason in why
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(
     ("dtype", "scale", "falls_back"),
     [(torch.float32, 1e2, False), (torch.float32, 1e3, True), (torch.float64, 1e8, True)],
 )
-def test_reversible_state_past_the_lattice_bound_falls_back_exactly(dtype, scale, falls_back) -> None:
+def test_reversible_state_past_the_lattice_bound_falls_back_exactly(dtype, scale, falls_back, scheme) -> None:
     """A field grown x1e8 rebuilt with a relative error of 0.997 and no warning.
 
     The float64 lattice sums are exact while the state is below 2^(52 - bits) times the input:
     2^26 for fp32. Growing the input 2^24 (x1e2) stays memory-free and exact; 2^40 (x1e3 in fp32)
     and x1e8 in fp64 (bound 2^8) keep the input instead, recompute, warn, and are exact too.
     """
-    stage = digits_stage(0, dtype, knots=4, steps=4, integrator="reversible_heun")
+    stage = digits_stage(0, dtype, knots=4, steps=4, integrator=scheme)
     with torch.no_grad():
         stage.knots["conv2_weight"].mul_(scale)
     x = stage_input(stage, 2, dtype)
@@ -549,17 +592,19 @@ def test_reversible_state_past_the_lattice_bound_falls_back_exactly(dtype, scale
     assert (stats.fallbacks, stats.backward_passes) == (int(falls_back), 1)
     if falls_back:
         assert len(messages) == 1 and "cannot keep its final state exactly: its state grew" in messages[0]
+        assert caught[0].category is odeify.FallbackWarning and caught[0].filename == __file__
     else:
         assert not messages and stats.last_errors == [0.0]
 
 
-def test_reversible_lattice_is_per_sample() -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_reversible_lattice_is_per_sample(scheme) -> None:
     """A sample's accuracy does not depend on its batch: a huge neighbour leaves it as exact as before.
 
     With one lattice spacing for the batch, sample 0 would sit on a 2e-4-coarse lattice: 1e3 times
     float32's own error, far past FP32_FACTOR.
     """
-    stage = digits_stage(0, torch.float32, integrator="reversible_heun", backward="reversible")
+    stage = digits_stage(0, torch.float32, integrator=scheme, backward="reversible")
     x = stage_input(stage, 2, torch.float32).requires_grad_()
     loud = x.detach().clone()
     loud[1] *= 1e6
@@ -569,18 +614,19 @@ def test_reversible_lattice_is_per_sample() -> None:
     assert_as_accurate_as({"y": loud_out.detach()}, {"y": quiet_out.detach()}, {"y": exact}, FP32_FACTOR)
 
 
-def test_reversible_warns_on_every_inexact_rebuild() -> None:
-    """A field that returns other bits on a re-run breaks the exact rebuild: every such pass says so."""
-    stage = digits_stage(
-        0, torch.float32, knots=4, steps=4, integrator="reversible_heun", backward="reversible"
-    )
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_reversible_warns_on_every_inexact_rebuild(scheme) -> None:
+    """A field that returns other bits on a re-run breaks the exact rebuild: every such pass says so,
+    attributed to the line that ran backward."""
+    stage = digits_stage(0, torch.float32, knots=4, steps=4, integrator=scheme, backward="reversible")
     calls = itertools.count()
     hook = stage.template.act1.register_forward_hook(lambda module, args, out: out + 1e-4 * (next(calls) % 3))
     x = stage_input(stage, 2, torch.float32)
     for _ in range(2):
-        with pytest.warns(RuntimeWarning, match="did not rebuild its states exactly"):
+        with pytest.warns(odeify.FallbackWarning, match="did not rebuild its states exactly") as caught:
             stage(x).sum().backward()
         assert stage.adjoint_stats.last_errors[0] > 0
+        assert [w.filename for w in caught] == [__file__]
     hook.remove()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -599,3 +645,35 @@ def test_train_mode_batchnorm_is_refused() -> None:
     before = copy.deepcopy(stage.template.act1[0].state_dict())
     stage(x).sum().backward()  # frozen BN is fine, and its statistics stay as they were
     assert all(torch.equal(v, before[k]) for k, v in stage.template.act1[0].state_dict().items())
+
+
+class _NormedBranch(nn.Module):
+    """A pre-activation block whose branch holds a BatchNorm the stage does not fold: ``w * norm(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        branch = self.norm(x) * w
+        return branch, x + branch
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "reverse", "reversible"])
+def test_train_mode_batchnorm_in_a_stage_is_refused_by_rerunning_modes(mode: str) -> None:
+    """A re-run would update the running statistics a second time: refused in training mode, run in eval."""
+    from odeify.ir.stage_ir import Slot
+
+    knots = torch.full((2, 1, 4, 1, 1), 0.1)
+    stage = odeify.ODEStage(
+        "normed", torch.fx.symbolic_trace(_NormedBranch()), [Slot("w", "param")], {"w": knots}, "pre", 2
+    )
+    stage.configure(integrator="alf" if mode == "reversible" else "heun", backward=mode)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    with pytest.raises(ConfigError, match=r"holds BatchNorm '\S*norm' in training mode.*\.eval\(\)"):
+        stage(x)
+    stage.eval()
+    before = copy.deepcopy(stage.state_dict())
+    stage(x).sum().backward()
+    assert x.grad is not None
+    assert all(torch.equal(v, before[k]) for k, v in stage.state_dict().items() if "running" in k)

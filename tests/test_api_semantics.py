@@ -144,10 +144,23 @@ BAD_CALLS = {
     "convert a converted model": lambda m, src: odeify.convert(m),
     "leaf_modules names": lambda m, src: odeify.convert(src, leaf_modules=["abc"]),
     "fp64 input to fp32 model": lambda m, src: m(torch.randn(SHAPE, dtype=torch.float64)),
+    "fp64 input after retarget": lambda m, src: odeify.retarget(m, steps=2)(
+        torch.randn(SHAPE, dtype=torch.float64)
+    ),
+    "fp64 input after load": lambda m, src: _reloaded(m)(torch.randn(SHAPE, dtype=torch.float64)),
     "float steps": lambda m, src: odeify.retarget(m, steps=2.0),
     "unknown stage": lambda m, src: odeify.retarget(m, steps={"layer9": 2}),
     "model_code of a plain module": lambda m, src: odeify.model_code(torch.nn.Linear(2, 2)),
 }
+
+
+def _reloaded(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        odeify.save(model, Path(folder) / "m.safetensors")
+        return odeify.load(Path(folder) / "m.safetensors")
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CALLS))

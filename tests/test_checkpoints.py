@@ -245,3 +245,116 @@ def test_hub_and_local_dir_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set"):
         load_model("hf-hub:timm/resnet18.a1_in1k", pretrained=True)
+
+
+# -- issue 18: what a checkpoint may ask for, and tensors odeify cannot load --------------------------
+def test_train_args_model_kwargs_must_be_a_dict(tmp_path: Path, r18: nn.Module) -> None:
+    args = argparse.Namespace(model="resnet18", num_classes=10, model_kwargs=["drop_rate", 0.1])
+    torch.save({"state_dict": r18.state_dict(), "arch": "resnet18", "args": args}, tmp_path / "t.pth.tar")
+    with pytest.raises(ModelLoadError, match="args.model_kwargs must be a dict of build kwargs"):
+        load_model(tmp_path / "t.pth.tar")
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("meta", "is a meta tensor (no values)"),
+        ("sparse", "is a torch.sparse_coo tensor"),
+        ("quantized", "is a quantized tensor"),
+        ("complex", "is a torch.complex64 tensor"),
+    ],
+)
+def test_tensors_odeify_cannot_load_are_named(
+    tmp_path: Path, r18: nn.Module, kind: str, message: str
+) -> None:
+    weight = r18.state_dict()["fc.weight"]
+    odd = {
+        "meta": lambda: torch.empty(weight.shape, device="meta"),
+        "sparse": lambda: weight.to_sparse(),
+        "quantized": lambda: torch.quantize_per_tensor(weight, 0.1, 0, torch.qint8),
+        "complex": lambda: weight.to(torch.complex64),
+    }[kind]
+    with pytest.warns(UserWarning) if kind == "quantized" else _quiet():
+        state = {**r18.state_dict(), "fc.weight": odd()}
+    torch.save(state, tmp_path / "w.pth")
+    with pytest.raises(ModelLoadError, match="fc.weight") as info:
+        load_model(tmp_path / "w.pth", arch="resnet18", num_classes=10)
+    assert message in str(info.value)
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+def test_bool_weights_are_refused_not_cast(tmp_path: Path, r18: nn.Module) -> None:
+    state = {k: v.contiguous() for k, v in r18.state_dict().items()}
+    state["fc.weight"] = state["fc.weight"] > 0  # loading would have made these 0 and 1
+    safetensors.torch.save_file(state, str(tmp_path / "w.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"non-floating tensors .* fc.weight \(torch.bool\)"):
+        load_model(tmp_path / "w.safetensors", arch="resnet18", num_classes=10)
+
+
+@pytest.mark.parametrize(
+    ("key", "shape"), [("fc.weight", (50_000_000, 0)), ("conv1.weight", (64, 50_000_000, 0, 0))]
+)
+def test_a_head_or_stem_size_read_from_a_tensor_has_a_files_bounds(tmp_path: Path, r18, key, shape) -> None:
+    """An empty tensor of shape [5e7, 0] in a tiny file asked for a 5e7-class head (issue 18, part 5)."""
+    state = {k: v.contiguous() for k, v in r18.state_dict().items()} | {key: torch.empty(shape)}
+    safetensors.torch.save_file(state, str(tmp_path / "w.safetensors"))
+    assert (tmp_path / "w.safetensors").stat().st_size < 50 * 2**20
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="read from its tensor shapes") as info:
+        load_model(tmp_path / "w.safetensors", arch="resnet18")
+    assert "must be an integer in [0, 100000]" in str(info.value) or "in [1, 64]" in str(info.value)
+    assert time.perf_counter() - started < 10
+
+
+def test_a_model_larger_than_the_budget_is_refused_before_it_is_built(monkeypatch) -> None:
+    started = time.perf_counter()
+    with pytest.raises(odeify.ConfigError, match="ODEIFY_MAX_MODEL_BYTES") as info:
+        load_model("resnet18", num_classes=50_000_000)
+    assert (
+        "95.6 GiB" in str(info.value) and time.perf_counter() - started < 10
+    )  # (512 + 1) x 5e7 x 4 bytes + 45 MB
+    monkeypatch.setenv("ODEIFY_MAX_MODEL_BYTES", str(2**20))  # the limit is the variable's
+    with pytest.raises(odeify.ConfigError, match="over the limit of 1.0 MiB"):
+        load_model("resnet18")
+    monkeypatch.setenv("ODEIFY_MAX_MODEL_BYTES", str(2**31))
+    assert load_model("resnet18").num_classes == 1000
+
+
+BAD_DATA_CONFIG = {
+    "std 0": ({"std": [0.0]}, "'std' must be 1 to 64 positive finite numbers"),
+    "negative std": ({"std": [-0.2]}, "'std' must be 1 to 64 positive"),
+    "NaN mean": ({"mean": [float("nan")]}, "'mean' must be 1 to 64 finite numbers"),
+    "mean of the wrong length": ({"mean": [0.4, 0.5]}, "mean has 2 entries for inputs of 1 channel"),
+    "input size 0": ({"input_size": [1, 0, 224]}, "'input_size' must be [C, H, W]"),
+    "negative input size": ({"input_size": [1, -224, 224]}, "'input_size' must be [C, H, W]"),
+    "input size 1e308": ({"input_size": [1, 1e308, 224]}, "'input_size' must be [C, H, W]"),
+    "input size 1e5": ({"input_size": [1, 100_000, 100_000]}, "'input_size' must be [C, H, W]"),
+    "input size strings": ({"input_size": ["1", "224", "224"]}, "'input_size' must be [C, H, W]"),
+    "input size [32, 32]": (
+        {"input_size": [32, 32]},
+        "'input_size' must be [C, H, W]",
+    ),  # was read as 224x224
+    "unknown interpolation": ({"interpolation": "magic"}, "'interpolation' must be one of"),
+    "NaN crop_pct": ({"crop_pct": float("nan")}, "'crop_pct' must be a number in (0, 2.0], not nan"),
+    "negative crop_pct": ({"crop_pct": -0.5}, "'crop_pct' must be a number in (0, 2.0]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA_CONFIG))
+def test_a_folders_data_config_is_checked_where_it_is_read(tmp_path: Path, case: str) -> None:
+    folder = hf_folder(make_test_model("resnet18", num_classes=5, in_chans=1), tmp_path / "r18")
+    config = json.loads((folder / "config.json").read_text())
+    change, message = BAD_DATA_CONFIG[case]
+    config["pretrained_cfg"].update(change)
+    (folder / "config.json").write_text(json.dumps(config))  # json writes NaN as timm's save_for_hf would
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="pretrained_cfg") as info:
+        load_model(folder)
+    assert message in str(info.value) and time.perf_counter() - started < 10

@@ -361,7 +361,34 @@ def _bad_inputs(tmp: Path, converted: Path) -> list[tuple[list[str], str]]:
     (tmp / "no_val" / "train" / "a").mkdir(parents=True, exist_ok=True)
     out = str(tmp / "out.safetensors")
     tune = ["finetune", str(converted), "--data", "digits"]
+    weights = tmp / "w.pth"
+    if not weights.exists():
+        torch.save(odeify.load_model(DEFAULT_MODEL_PATH).state_dict(), weights)
+    from_weights = ["convert", str(weights), "--arch", "odeify.digits_resnet", "-o"]
+    png, sweep = str(tmp / "g.png"), ["sweep", str(converted), "--data", "digits"]
+    eval_digits = ["eval", str(converted), "--data", "digits"]
     return [
+        # issue 18, part 2: what writing would destroy
+        (["convert", "-o", str(tmp / "fifo")], "is a named pipe (FIFO), not a regular file"),
+        ([*from_weights, str(weights)], "is also the input (MODEL)"),
+        ([*from_weights, str(tmp / "m.pt")], "use "),
+        (["retarget", str(converted), "-o", str(converted), "--steps", "1"], "is also the input (MODEL)"),
+        (["inspect", str(converted), "--dot", str(converted)], "is also the input (MODEL)"),
+        (["inspect", str(converted), "--dot", png, "--plot", png], "name the same file"),
+        ([*sweep, "--plot", out, "--markdown", out], "name the same file"),
+        # part 5: sizes from arguments, against a budget before anything is allocated
+        (["inspect", "resnet18", "--input-size", "1", "9" * 11, "9" * 11], "ODEIFY_MAX_INPUT_BYTES"),
+        (["convert", "resnet18", "--num-classes", "50000000", *SMALL], "ODEIFY_MAX_MODEL_BYTES"),
+        # part 7: what was silently accepted
+        (["convert", "-o", out, "-o", str(tmp / "other.safetensors")], "-o/--output is given twice"),
+        (["convert", "--steps", "1", "--steps=2"], "--steps is given twice"),
+        ([*eval_digits, "--data", "digits"], "--data is given twice"),
+        ([*eval_digits, "--integ", "rk4", "--integrator", "heun"], "given twice"),
+        (["convert", "", "-o", out], "MODEL is empty"),
+        ([*tune, "--out", ""], "--out is empty"),
+        (["inspect", str(converted), "--dot", ""], "--dot is empty"),
+        ([*eval_digits, "--steps", "x0.0000001"], "fewer than one"),
+        (["retarget", str(converted), "-o", out, "--steps", "x0.1"], "'layer1' (4 blocks) 0.4 steps"),
         (["inspect", "resnet5O"], "resnet50"),  # a typo: the message suggests close names
         (["inspect", "vgg11", "--input-size", "3", "32", "32"], "no residual block"),
         (["inspect", "resnet18", "--input-size", "3", "64"], "--input-size takes C H W"),
@@ -396,6 +423,7 @@ def test_bad_input_exits_2_with_one_paragraph(
     converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     failures = []
+    before = converted_file.read_bytes()
     for argv, message in _bad_inputs(tmp_path, converted_file):
         code = main(argv)
         captured = capsys.readouterr()
@@ -403,6 +431,8 @@ def test_bad_input_exits_2_with_one_paragraph(
         if code != 2 or not one_paragraph or message not in captured.err or captured.out:
             failures.append((argv, code, captured.err[-500:]))
     assert not failures, failures
+    assert converted_file.read_bytes() == before and (tmp_path / "fifo").is_fifo()  # nothing replaced
+    assert not (tmp_path / "w.pth").read_bytes().startswith(b"{")  # the input is still a torch file
 
 
 @pytest.mark.parametrize(
@@ -421,12 +451,46 @@ def test_bad_input_exits_2_with_one_paragraph(
         ["sweep", "--data", "digits", "--integrators", "euler,nope"],
         ["sweep", "--data", "digits", "--steps", "1,,x0"],
         ["eval", "--data", "digits", "--batch-size", "-3"],
+        ["eval", "--data", "digits", "--batch-size", str(2**63)],  # islice overflowed
+        ["finetune", "--data", "digits", "--seed", "1e23"],
+        ["finetune", "--data", "digits", "--seed", str(2**64)],  # torch.manual_seed overflowed
+        ["convert", "--knots", "9" * 30],
+        ["convert", "--steps", "9" * 30],
     ],
 )
 def test_bad_arguments_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "usage:" in err and "error:" in err and "Traceback" not in err
+
+
+def test_names_print_as_text_never_as_markup(converted_file: Path, tmp_path: Path, capsys) -> None:
+    """A file name with rich markup appears as typed in the table title (it used to be eaten)."""
+    named = tmp_path / "[b]m.safetensors"
+    named.write_bytes(converted_file.read_bytes())
+    assert main(["inspect", str(named)]) == 0
+    assert "[b]m.safetensors: ODE stages" in capsys.readouterr().out
+    dollars = tmp_path / "a$b.safetensors"  # matplotlib reads $...$ as math
+    dollars.write_bytes(converted_file.read_bytes())
+    assert main(["plot", str(dollars), "-o", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG)
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_names_the_file_it_stopped(converted_file: Path, tmp_path: Path) -> None:
+    """Under `ulimit -f` the training state (about 1.1 MB) cannot be written, the best model (0.37 MB) can."""
+    import resource
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (700_000, 700_000))
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "odeify", "finetune", str(converted_file), "--data", "digits",
+            "--steps", "1", "--epochs", "1", "--max-batches", "1", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600, preexec_fn=limited)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot access {tmp_path / 'run' / 'train_state.safetensors'}: File too large" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_diverging_finetune_stops_with_the_step(converted_file: Path, tmp_path: Path, capsys) -> None:

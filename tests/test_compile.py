@@ -27,6 +27,7 @@ from odeify.passes.segments import Segment, checkpoint_segments
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 INTEGRATOR = {"backprop": "euler", "checkpoint": "euler", "reverse": "euler", "reversible": "reversible_heun"}
+SCHEMES = ["reversible_heun", "alf"]
 FACTOR = {"aot_eager": 2.0, "inductor": 4.0}
 """Compiled float32 gradients are judged by their distance from eager float64, which may be this
 multiple of eager float32's own (floored at 8 ulps). Measured on AMD EPYC: every gradient within
@@ -34,9 +35,9 @@ multiple of eager float32's own (floored at 8 ulps). Measured on AMD EPYC: every
 so it gets the wider margin."""
 
 
-def training_model(mode: str) -> fx.GraphModule:
+def training_model(mode: str, integrator: str | None = None) -> fx.GraphModule:
     """The digits model (fp32, train mode) in ``mode``, with checkpointed segments when memory-free."""
-    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH), integrator=INTEGRATOR[mode]).train()
+    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH), integrator=integrator or INTEGRATOR[mode]).train()
     if mode != "backprop":
         checkpoint_segments(odeify.set_backward(gm, mode))
     return gm
@@ -53,10 +54,10 @@ def train_step(run, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {"x": x.grad, **{name: p.grad for name, p in model.named_parameters()}}
 
 
-def compiled_gradients(mode: str, backend, factor: float) -> fx.GraphModule:
+def compiled_gradients(mode: str, backend, factor: float, integrator: str | None = None) -> fx.GraphModule:
     """Compile the float32 model for ``mode`` with ``backend``: its gradients are eager's, to float32
     accuracy against eager float64. Returns the eager model."""
-    eager = training_model(mode)
+    eager = training_model(mode, integrator)
     cold = copy.deepcopy(eager)  # no stage graph built yet, as at a user's first step
     exact_model = copy.deepcopy(eager).double()
     want, exact = train_step(eager, eager), train_step(exact_model, exact_model)
@@ -69,7 +70,8 @@ def _conv_count(graphs: list[fx.Graph]) -> int:
     return sum(1 for g in graphs for n in g.nodes if n.op == "call_function" and "conv" in str(n.target))
 
 
-def test_compiled_reversible_model_trains_like_eager_and_compiles_its_segments() -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_compiled_reversible_model_trains_like_eager_and_compiles_its_segments(scheme: str) -> None:
     graphs: list[fx.GraphModule] = []
 
     def counting(gm: fx.GraphModule, example_inputs):
@@ -77,7 +79,7 @@ def test_compiled_reversible_model_trains_like_eager_and_compiles_its_segments()
         graphs.extend(m.graph for m in gm.modules() if isinstance(m, fx.GraphModule))
         return lookup_backend("aot_eager")(gm, example_inputs)
 
-    eager = compiled_gradients("reversible", counting, FACTOR["aot_eager"])
+    eager = compiled_gradients("reversible", counting, FACTOR["aot_eager"], scheme)
     # every segment ran compiled, as a checkpointed region: its convs are in compiled graphs
     segments = [m for m in eager.modules() if isinstance(m, Segment)]
     regions = [
@@ -89,6 +91,6 @@ def test_compiled_reversible_model_trains_like_eager_and_compiles_its_segments()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(INTEGRATOR))
-def test_inductor_compiled_model_trains_like_eager(mode: str) -> None:
-    compiled_gradients(mode, "inductor", FACTOR["inductor"])
+@pytest.mark.parametrize(("mode", "integrator"), [*INTEGRATOR.items(), ("reversible", "alf")])
+def test_inductor_compiled_model_trains_like_eager(mode: str, integrator: str) -> None:
+    compiled_gradients(mode, "inductor", FACTOR["inductor"], integrator)

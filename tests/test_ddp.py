@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -26,9 +27,9 @@ BATCH = 8
 STEPS = 3
 
 
-def _model() -> nn.Module:
-    """The digits model as reversible Heun, 8 steps per stage, trained with backward='reversible'."""
-    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).double(), integrator="reversible_heun", steps="x2")
+def _model(integrator: str) -> nn.Module:
+    """The digits model as a reversible scheme, twice the native steps, trained with backward='reversible'."""
+    gm = odeify.convert(load_model(DEFAULT_MODEL_PATH).double(), integrator=integrator, steps="x2")
     return odeify.set_backward(gm, "reversible").train()
 
 
@@ -43,11 +44,11 @@ def _train(model: nn.Module, params: nn.Module, x: torch.Tensor, y: torch.Tensor
     return {name: p.detach().clone() for name, p in params.named_parameters()}
 
 
-def _worker(rank: int, port: int, out: Path, x: torch.Tensor, y: torch.Tensor) -> None:
+def _worker(rank: int, port: int, out: Path, x: torch.Tensor, y: torch.Tensor, integrator: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        model = _model()
+        model = _model(integrator)
         shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
         trained = _train(DistributedDataParallel(model), model, x[shard], y[shard])
         if rank == 0:
@@ -62,18 +63,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_reversible_matches_single_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("integrator", ["reversible_heun", "alf"])
+def test_ddp_reversible_matches_single_process(tmp_path: Path, integrator: str) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, 1, 32, 32, generator=g, dtype=torch.float64)
     y = torch.randint(0, 10, (BATCH,), generator=g)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(_free_port(), out, x, y), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_free_port(), out, x, y, integrator), nprocs=WORLD, join=True)
     distributed = torch.load(out)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = _model()
+        model = _model(integrator)
         initial = {name: p.detach().clone() for name, p in model.named_parameters()}
         single = _train(model, model, x, y)
     finally:

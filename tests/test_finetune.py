@@ -30,6 +30,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset, TensorDataset
 
 import odeify
+from odeify.core.lock import LOCK_FILE
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.datasets import LabelledData, open_data
 from odeify.train.finetune import (
@@ -102,7 +103,8 @@ def accuracy(model: torch.nn.Module, dataset: TensorDataset) -> float:
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load_file(str(path))
+    """A file's tensors, without a saved model's probe values (what it computed when saved)."""
+    return {k: v for k, v in safetensors.torch.load_file(str(path)).items() if not k.startswith("@probe/")}
 
 
 def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -364,8 +366,8 @@ def test_nonfinite_loss_stops_before_saving(
     saved: dict[str, bytes] = {}
 
     def poison_after_epoch_1(line: str) -> None:
-        if line.startswith("epoch 1/"):
-            saved.update({p.name: p.read_bytes() for p in tmp_path.iterdir()})
+        if line.startswith("epoch 1/"):  # the run's files, not the lock it holds while it runs
+            saved.update({p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != LOCK_FILE})
             with torch.no_grad():
                 model.fc.weight.fill_(math.nan)
 
@@ -502,3 +504,16 @@ def _completed_epoch(folder: Path) -> int:
 
     with safe_open(str(folder / STATE_FILE), framework="pt") as handle:
         return json.loads(handle.metadata()["odeify_train_state"])["epoch"]
+
+
+def test_training_defaults_to_a_memory_free_mode_per_integrator(native: torch.nn.Module) -> None:
+    """Reversible integrators train reversible (exact, flat memory), any other integrator checkpoint;
+    a stage that already has a memory-free mode keeps it unless the integrator changes."""
+    from odeify.train.manifestations import memory_free_backward
+
+    assert memory_free_backward(native, "alf") == "reversible"
+    assert memory_free_backward(native, "reversible_heun") == "reversible"
+    assert memory_free_backward(native, "rk4") == "checkpoint"
+    assert memory_free_backward(native) == "checkpoint"  # Euler, as converted
+    reverse = odeify.set_backward(native, {"layer1": "reverse"})
+    assert memory_free_backward(reverse) == {"layer1": "reverse", "layer2": "checkpoint"}

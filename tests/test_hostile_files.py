@@ -1,5 +1,9 @@
 """Hostile and broken converted-model files: each fails with a clean OdeifyError, quickly, and runs no code.
 
+Among them, files whose tensors fit but whose recipe was altered to compute something else (another
+activation, pooling, depth, input size, integrator or steps): their probe, what the model computed
+when it was saved, tells them apart.
+
 The cases come from ``tests/hostile_files.py`` (derived from one valid saved model). They run in a
 separate process that reports each outcome as it goes, so a case that never returns is caught and
 named instead of hanging the suite.
@@ -57,7 +61,7 @@ def test_every_hostile_file_fails_cleanly(outcomes: dict[str, dict]) -> None:
     print(f"\n{len(cases)} hostile files: {dict(counts)}")
     bad = {k: f"{v['outcome']}: {v['detail']}" for k, v in cases.items() if v["outcome"] != "clean"}
     assert not bad, bad
-    assert len(cases) >= 100
+    assert len(cases) >= 148
 
 
 @pytest.mark.parametrize(
@@ -71,6 +75,36 @@ def test_every_hostile_file_fails_cleanly(outcomes: dict[str, dict]) -> None:
         ("kwargs_wide_within_ranges", "holds only"),
         ("legacy_path_source", "older odeify"),
         ("version_newer", "newer odeify"),
+        ("version_2e64", "newer odeify"),
+        ("version_float", "must be an integer, not 1.0"),
+        ("version_negative", "unknown format version -1"),
+        ("version_1e999", "the format version must be an integer, not inf"),
+        ("duplicate_key", "'dtype' appears twice"),
+        ("nan_literal", "probe seed must be an integer"),
+        ("stage_missing", "a point 'layer2', which is neither a stage"),
+        ("stage_twice", "'layer1' is listed twice"),
+        ("stage_name_newline", "a stage name is a module path of Python names"),
+        ("name_newline", "a tableau name is a Python name"),
+        ("name_markup", "a tableau name is a Python name"),
+        ("stages_17", "1 to 16 stages"),
+        ("entry_30_digits", "at most 20 digits"),
+        ("pretrained_cfg_std_zero", "'std' must be 1 to 64 positive"),
+        ("pretrained_cfg_mean_wrong_length", "mean has 2 entries for inputs of 1 channel"),
+        ("pretrained_cfg_input_size_1e308", "'input_size' must be [C, H, W]"),
+        ("pretrained_cfg_input_size_two", "'input_size' must be [C, H, W]"),
+        ("pretrained_cfg_interpolation_unknown", "'interpolation' must be one of"),
+        ("pretrained_cfg_crop_pct_negative", "'crop_pct' must be a number in (0, 2.0]"),
+        ("pretrained_cfg_crop_nan", "'crop_pct' must be a number in (0, 2.0], not nan"),
+        ("kwargs_act_layer_gelu", "does not compute what was saved: at stage 'layer1'"),
+        ("kwargs_global_pool_max", "does not compute what was saved: at the model's output"),
+        ("kwargs_layers_5_4", "does not compute what was saved: at stage 'layer1'"),
+        ("stage_integrator_rk4", "does not compute what was saved: at stage 'layer1'"),
+        ("stage_steps_2", "does not compute what was saved: at stage 'layer1'"),
+        ("probe_values_shifted", "does not compute what was saved"),
+        ("input_shape_64_1_1_1", "saved probe of stage 'layer1' does not fit"),
+        ("input_shape_2_64_4096_4096", "ODEIFY_MAX_INPUT_BYTES"),
+        ("module_points_at_extra_tensor", "is the module 'layer1_ode'"),
+        ("one_bool", "fc.weight is torch.bool"),
         ("steps_1e9", "steps must be an integer"),
         ("knots_4096", "says 4096 knots"),
         ("entry_1e999999999", "tableau entries"),

@@ -82,7 +82,7 @@ def test_recipe_names_an_architecture_never_a_path(tmp_path, digits_ode):
         },
     }
     assert "/" not in json.dumps(recipe) and str(DEFAULT_MODEL_PATH.name) not in json.dumps(recipe)
-    assert set(recipe["versions"]) == {"odeify", "torch", "timm"} and recipe["version"] == 1
+    assert set(recipe["versions"]) == {"odeify", "torch", "timm"} and recipe["version"] == 2
 
 
 def test_module_source_loads_by_name(tmp_path):
@@ -229,7 +229,7 @@ def test_missing_directory_and_fifo_paths_are_named(tmp_path):
 
 
 def test_save_refuses_bad_paths(tmp_path, digits_ode):
-    with pytest.raises(OdeifyError, match="is a directory"):
+    with pytest.raises(OdeifyError, match="is a folder"):
         save(digits_ode, tmp_path)
     (tmp_path / "afile").write_text("x")
     with pytest.raises(OdeifyError, match="is a file, not a folder"):

@@ -11,9 +11,12 @@ from fractions import Fraction
 import pytest
 
 from odeify.core.errors import ConfigError
+from odeify.numerics.schemes import Add, Evaluate, Reflect, validate_scheme
 from odeify.numerics.tableaus import (
     KNOWN_INTEGRATORS,
+    REVERSIBLE_SCHEMES,
     TABLEAUS,
+    AsyncLeapfrog,
     ReversibleHeun,
     Tableau,
     resolve_integrator,
@@ -97,7 +100,8 @@ EXPECTED_ORDERS = {
 
 def test_registry_has_exactly_the_documented_methods() -> None:
     assert {name: t.order for name, t in TABLEAUS.items()} == EXPECTED_ORDERS
-    assert set(KNOWN_INTEGRATORS) == set(EXPECTED_ORDERS) | {"reversible_heun"}
+    assert set(KNOWN_INTEGRATORS) == set(EXPECTED_ORDERS) | {"reversible_heun", "alf"}
+    assert {name: s.order for name, s in REVERSIBLE_SCHEMES.items()} == {"reversible_heun": 2, "alf": 2}
     assert list(KNOWN_INTEGRATORS) == sorted(KNOWN_INTEGRATORS)
     for name, t in TABLEAUS.items():
         assert t.name == name
@@ -201,7 +205,10 @@ def test_create_converts_strings_ints_floats_and_computes_c() -> None:
         (dict(a=[[0, 0], [1, 0]], b=["1/2", "1/2"], order=0), "order must be an int >= 1"),
         (dict(a=[[0, 0], [1, 0]], b=["1/2", "1/2"], order=True), "order must be an int >= 1"),
         (dict(a=[[0, 0], [1, 0]], b=["1/2", "1/2"], order=3), "order at most 2"),
-        (dict(a=[[0]], b=[1], order=1, name=""), "name"),
+        (dict(a=[[0]], b=[1], order=1, name=""), "a tableau name is a Python name"),
+        (dict(a=[[0]], b=[1], order=1, name="my rk"), "a tableau name is a Python name"),
+        (dict(a=[[0]], b=[1], order=1, name="mine\nimport os"), "a tableau name is a Python name"),
+        (dict(a=[[0]], b=[1], order=1, name="x" * 65), "1 to 64 characters"),
     ],
 )
 def test_create_rejects_bad_tableaus(kwargs: dict, needle: str) -> None:
@@ -240,6 +247,33 @@ def test_resolve_dash_and_reversible_heun() -> None:
     assert (rh.name, rh.order, rh.evals_per_step) == ("reversible_heun", 2, 2)
     assert resolve_integrator(rh) is rh
     assert rh == ReversibleHeun()
+
+
+def test_resolve_alf() -> None:
+    alf = resolve_integrator(" ALF ")
+    assert isinstance(alf, AsyncLeapfrog) and alf.initial_velocity == "zero"
+    assert (alf.name, alf.order, alf.evals_per_step, alf.evals_at_start) == ("alf", 2, 1, 0)
+    started = AsyncLeapfrog("field")  # v_0 = F(t_0, z_0): reachable as an object, not saved by name
+    assert (started.name, started.evals_at_start) == ("alf_field_start", 1)
+    assert resolve_integrator(started) is started and started != alf
+
+
+def test_scheme_programs_are_checked() -> None:
+    """An increment used after its register changed could not be re-evaluated from the same bits."""
+    for scheme in REVERSIBLE_SCHEMES.values():
+        validate_scheme(scheme)
+
+    class Broken(AsyncLeapfrog):  # a leapfrog that moves z before p reads the increment
+        step = (Evaluate("z", F(1, 2), False, "a"), Add("z", "a"), Reflect("p", "a"))
+
+    with pytest.raises(ValueError, match="used after its register changes"):
+        validate_scheme(Broken())
+
+    class Unknown(AsyncLeapfrog):
+        step = (Add("z", "b"),)
+
+    with pytest.raises(ValueError, match="not evaluated before it"):
+        validate_scheme(Unknown())
 
 
 def test_resolve_passes_custom_tableau_through() -> None:

@@ -2,13 +2,16 @@
 
 Each type raises ``argparse.ArgumentTypeError``, which argparse turns into a usage error naming the
 flag (exit code 2). The grammars are the library's own (``odeify.ir.settings.parse_steps``), so the
-command line accepts what Python accepts.
+command line accepts what Python accepts. :func:`check_command_line` refuses what argparse lets
+through silently: a flag given twice (argparse keeps the last) and an empty argument (an empty
+MODEL would mean the shipped model, an empty --out the current folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 
 from odeify.core.errors import ConfigError
 from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, parse_steps
@@ -86,10 +89,10 @@ def manifestation_arguments(
     backward_help = (
         "training backward pass: backprop (stores everything), checkpoint (exact, stores each step's "
         "state), reverse (memory-free, approximate; explicit integrators) or reversible (memory-free and "
-        "exact; reversible_heun)"
+        "exact; alf, reversible_heun)"
     )
     if finetuning:
-        backward_help += "; default: reversible for reversible_heun, checkpoint otherwise"
+        backward_help += "; default: reversible for alf and reversible_heun, checkpoint otherwise"
     group.add_argument(
         "--backward",
         choices=BACKWARD_MODES,
@@ -120,17 +123,92 @@ def data_arguments(parser: argparse.ArgumentParser, batch_size: int | None = 256
     data.add_argument("--workers", type=nonnegative_int, default=0, help="data-loading processes (default 0)")
 
 
+# -- the command line as a whole ---------------------------------------------------------------------
+def check_command_line(
+    parser: argparse.ArgumentParser, argv: Sequence[str], args: argparse.Namespace
+) -> None:
+    """Refuse a flag given twice and an empty argument (a ConfigError: exit code 2, one paragraph)."""
+    command = _subparser(parser, args.command)
+    if command is None:
+        return
+    actions = {option: action for action in command._actions for option in action.option_strings}
+    seen: dict[int, str] = {}
+    tokens = list(argv)
+    start = next(
+        (i + 1 for i, t in enumerate(tokens) if t == args.command or t in _aliases(parser, args.command)), 0
+    )
+    for token in tokens[start:]:
+        if token == "--":
+            break
+        if not token.startswith("-") or token == "-":
+            continue
+        option = _resolve(token.split("=", 1)[0], actions)
+        action = actions.get(option)
+        if action is None or isinstance(action, (argparse._AppendAction, argparse._CountAction)):
+            continue
+        if id(action) in seen:
+            raise ConfigError(
+                f"{'/'.join(action.option_strings)} is given twice ({seen[id(action)]} and "
+                f"{token.split('=')[0]}): odeify would use the last one silently. Give it once."
+            )
+        seen[id(action)] = token.split("=", 1)[0]
+    for action in command._actions:
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and not v.strip() for v in values):
+            name = "/".join(action.option_strings) or action.metavar or action.dest.upper()
+            raise ConfigError(f"{name} is empty: give it a value, or leave it out for the default.")
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
+def _aliases(parser: argparse.ArgumentParser, name: str) -> set[str]:
+    """Every name the command ``name`` answers to (``list`` is also ``integrators``)."""
+    command = _subparser(parser, name)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {alias for alias, sub in action.choices.items() if sub is command}
+    return set()
+
+
+def _resolve(option: str, actions: dict[str, argparse.Action]) -> str:
+    """The full flag an abbreviation (``--integ``) or a short flag with its value (``-oFILE``) stands for."""
+    if option in actions:
+        return option
+    if not option.startswith("--"):
+        return option[:2]
+    matches = [name for name in actions if name.startswith(option)]
+    return matches[0] if len(matches) == 1 else option
+
+
 # -- argument types: argparse turns their ArgumentTypeError into a usage error (exit code 2) --------
+MAX_INT = 2**31 - 1  # batch sizes, epochs, counts: far above any real value, far below what overflows
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit integer
+
+
+def _integer(text: str, lo: int, hi: int, what: str) -> int:
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()) or not lo <= int(digits) <= hi:
+        raise argparse.ArgumentTypeError(f"expected {what} from {lo} to {hi}; got {text!r}")
+    return int(digits)
+
+
 def positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return int(text)
+    return _integer(text, 1, MAX_INT, "a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer; got {text!r}")
-    return int(text)
+    return _integer(text, 0, MAX_INT, "a non-negative integer")
+
+
+def seed(text: str) -> int:
+    """A seed torch accepts: an integer in [0, 2^63)."""
+    return _integer(text, 0, MAX_SEED, "an integer seed")
 
 
 def finite_float(text: str) -> float:
@@ -176,8 +254,10 @@ def ema_decay(text: str) -> float:
 
 def steps(text: str) -> str | int:
     """'native', a positive int, or 'x' and a positive multiplier (ir.settings.parse_steps's grammar)."""
+    if text.isascii() and text.isdigit() and int(text) > MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_INT} steps; got {text!r}")
     try:
-        return parse_steps(int(text) if text.isdigit() else text)
+        return parse_steps(int(text) if text.isascii() and text.isdigit() else text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -186,7 +266,7 @@ def knots(text: str) -> str | int:
     """'native' or a positive int."""
     if text == "native":
         return text
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_INT:
         raise argparse.ArgumentTypeError(f"expected native or a positive integer; got {text!r}")
     return int(text)
 

@@ -20,9 +20,11 @@ from torch import nn
 
 import odeify
 from odeify.cli.console import console_on, stdout_is_data
+from odeify.core.budget import check_input_bytes
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
-from odeify.core.fileio import atomic_write_bytes
+from odeify.core.fileio import atomic_write_bytes, read_header
+from odeify.core.paths import MODEL_SUFFIX, output_file, output_folder, same_file
 from odeify.models import DEFAULT_MODEL_PATH
 
 VERIFY_SEED = 0
@@ -53,27 +55,31 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def is_converted_file(path: str | os.PathLike[str]) -> bool:
     """True for a file written by ``odeify.save`` (it carries odeify's recipe in its metadata)."""
-    from safetensors import safe_open
-
     from odeify.serialization.io import RECIPE_KEY
 
     path = Path(path)
-    if not path.is_file() or path.suffix != ".safetensors":
+    if not path.is_file() or path.suffix != MODEL_SUFFIX:
         return False
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            return RECIPE_KEY in (handle.metadata() or {})
-    except Exception:  # not a readable safetensors file: load_model will say what is wrong with it
+        return RECIPE_KEY in read_header(path, OdeifyError, "a safetensors file").metadata
+    except OdeifyError:  # not a readable safetensors file: load_model will say what is wrong with it
         return False
 
 
 def _input_size(args: argparse.Namespace) -> list[int] | None:
-    if args.input_size is not None and len(args.input_size) not in (3, 4):
+    """--input-size as given, checked: 3 or 4 positive numbers whose batch fits the input budget."""
+    size = args.input_size
+    if size is None:
+        return None
+    if len(size) not in (3, 4):
         raise OdeifyError(
-            f"--input-size takes C H W or N C H W (e.g. --input-size 3 224 224); got {len(args.input_size)} "
-            f"number(s): {' '.join(map(str, args.input_size))}."
+            f"--input-size takes C H W or N C H W (e.g. --input-size 3 224 224); got {len(size)} "
+            f"number(s): {' '.join(map(str, size))}."
         )
-    return args.input_size
+    if any(n < 1 for n in size):
+        raise OdeifyError(f"--input-size takes positive numbers; got {' '.join(map(str, size))}.")
+    check_input_bytes("--input-size", tuple(size) if len(size) == 4 else (1, *size), 4)
+    return size
 
 
 def _refuse_converted(args: argparse.Namespace) -> None:
@@ -143,23 +149,39 @@ def _converted(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
     return (odeify.retarget(model, **settings) if settings else model), name
 
 
-def _output_file(path: str | None, what: str = "-o") -> Path | None:
-    """Check an output path before any work: not empty, not a folder, its parent not a file."""
+def _output_file(
+    path: str | None, what: str = "-o", args: argparse.Namespace | None = None, *, model: bool = False
+) -> Path | None:
+    """Check an output path before any work (:func:`odeify.core.paths.output_file`): not empty, not a
+    folder, FIFO or device, its parent not a file, not one of the command's inputs; ``model``: a
+    ``.safetensors`` file."""
     if path is None:
         return None
-    if not path.strip():
-        raise ConfigError(f"{what} needs a file name; got an empty string.")
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise ConfigError(
-            f"{what} {path} is a folder; name a file in it, e.g. {target / 'model.safetensors'}."
-        )
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"{what} {path}: {parent} is a file, not a folder.")
-            break
-    return target
+    inputs = _inputs(args) if args is not None else []
+    return output_file(
+        path, what, error=ConfigError, inputs=inputs, suffix=MODEL_SUFFIX if model else None,
+        example="model.safetensors" if model else "out.png",
+    )  # fmt: skip
+
+
+def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The files the command reads (MODEL when it is a path, --checkpoint), as (label, path)."""
+    found = []
+    model = getattr(args, "model", None)
+    if model and os.path.lexists(model):
+        found.append(("MODEL", model))
+    if getattr(args, "checkpoint", None):
+        found.append(("--checkpoint", args.checkpoint))
+    return found
+
+
+def _distinct(*outputs: tuple[str, Path | None]) -> None:
+    """Two outputs of one command must be two files (the second would replace the first)."""
+    given = [(flag, path) for flag, path in outputs if path is not None]
+    for i, (flag, path) in enumerate(given):
+        for other, second in given[i + 1 :]:
+            if same_file(path, second):
+                raise ConfigError(f"{flag} and {other} name the same file {path}; name two files.")
 
 
 def _tables(args: argparse.Namespace):
@@ -174,18 +196,23 @@ def _note(message: str) -> None:
 # -- inspect ---------------------------------------------------------------------------------------
 def run_inspect(args: argparse.Namespace) -> int:
     """Plan of a MODEL, or stages of a CONVERTED file; --code, --dot, --json, --plot."""
-    if is_converted_file(_source(args)):
-        return _inspect_converted(args, odeify.load(_source(args)), Path(_source(args)).name)
-    return _inspect_source(args)
+    converted = is_converted_file(_source(args))
+    dot = _output_file(args.dot, "--dot", args)
+    plot = _output_file(args.plot, "--plot", args)
+    also = dot.with_name(f"{dot.stem}.converted{dot.suffix or '.dot'}") if dot and not converted else None
+    _distinct(("--dot", dot), ("--plot", plot), ("--dot's converted graph", also))
+    if also is not None:
+        _output_file(str(also), "--dot's converted graph", args)
+    if converted:
+        return _inspect_converted(args, odeify.load(_source(args)), Path(_source(args)).name, dot, plot)
+    return _inspect_source(args, dot, plot)
 
 
-def _inspect_source(args: argparse.Namespace) -> int:
+def _inspect_source(args: argparse.Namespace, dot: Path | None, plot: Path | None) -> int:
     from odeify.compiler.analysis import analyze_graph, trace_and_annotate
     from odeify.inspection.dot import plan_to_dot
     from odeify.inspection.report import format_discrete_table, format_plan_table
 
-    dot = _output_file(args.dot, "--dot")
-    plot = _output_file(args.plot, "--plot")
     model, name, shape = _source_model(args)
     leaves = _leaf_modules(model, args.leaf)
     with torch.no_grad():
@@ -216,16 +243,17 @@ def _inspect_source(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inspect_converted(args: argparse.Namespace, model: fx.GraphModule, name: str) -> int:
+def _inspect_converted(
+    args: argparse.Namespace, model: fx.GraphModule, name: str, dot: Path | None, plot: Path | None
+) -> int:
     from odeify.inspection.report import describe, format_report_table
 
     report = describe(model, name=name)
-    if args.dot:
-        target = _output_file(args.dot, "--dot")
-        _write_converted_dot(model, name, target)
-        _note(f"wrote {target}; render with: dot -Tsvg {target} -o graph.svg")
-    if args.plot:
-        _plot_weight_path(model, name, _output_file(args.plot, "--plot"))
+    if dot:
+        _write_converted_dot(model, name, dot)
+        _note(f"wrote {dot}; render with: dot -Tsvg {dot} -o graph.svg")
+    if plot:
+        _plot_weight_path(model, name, plot)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
@@ -258,7 +286,7 @@ def run_convert(args: argparse.Namespace) -> int:
     """Convert natively, verify against the source, apply the manifestation, save, report."""
     from odeify.inspection.report import describe, format_report_table
 
-    output = _output_file(args.output)
+    output = _output_file(args.output, "-o", args, model=True)
     model, name, shape = _source_model(args)
     native = _convert_source(args)
     check = verify(model, native, shape) if args.verify else None
@@ -355,7 +383,7 @@ def run_retarget(args: argparse.Namespace) -> int:
     """Load a converted file, change its manifestation, save."""
     from odeify.inspection.report import describe, format_report_table
 
-    output = _output_file(args.output)
+    output = _output_file(args.output, "-o", args, model=True)
     source = Path(args.model)
     if not is_converted_file(source):
         what = (
@@ -370,7 +398,8 @@ def run_retarget(args: argparse.Namespace) -> int:
         raise ConfigError(
             "retarget needs at least one of --integrator, --steps, --knots, --basis, --backward."
         )
-    model = odeify.retarget(odeify.load(source), **settings)
+    loaded = odeify.load(source)
+    model = odeify.retarget(loaded, **settings)
     odeify.save(model, output)
     report = describe(model, name=source.name)
     if args.json:
@@ -424,8 +453,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     from odeify.inspection.plots import plot_sweep
     from odeify.train.sweep import sweep, sweep_markdown
 
-    plot = _output_file(args.plot, "--plot")
-    markdown = _output_file(args.markdown, "--markdown")
+    plot = _output_file(args.plot, "--plot", args)
+    markdown = _output_file(args.markdown, "--markdown", args)
+    _distinct(("--plot", plot), ("--markdown", markdown))
     model, name = _loaded(args)
     model = model.to(_device())
     loader = _val_batches(args, model)
@@ -448,7 +478,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def run_plot(args: argparse.Namespace) -> int:
     """The weight path over depth of every stage, as a PNG."""
-    output = _output_file(args.output)
+    output = _output_file(args.output, "-o", args)
     model, name = _converted(args)
     _plot_weight_path(model, name, output)
     return 0
@@ -496,9 +526,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         stop_processes,
     )
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {args.out} is a file; name a folder for the run's checkpoints.")
+    out = output_folder(args.out, "--out", error=ConfigError)
     if not args.resume and (out / "train_state.safetensors").exists():
         raise ConfigError(
             f"{out} already holds a fine-tuning run. Continue it with --resume, or pass another --out folder."
@@ -534,10 +562,37 @@ def run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+_RECORDED_TYPES: dict[str, tuple[type, ...]] = {
+    "steps": (str, int), "knots": (str, int), "num_classes": (int,), "pretrained": (bool,), "ema": (bool,),
+    "deterministic": (bool,), "input_size": (int,), "leaf": (str,),
+}  # fmt: skip
+"""The types of the recorded command-line settings that are not strings (what argparse produced; of
+the items of the lists input_size and leaf)."""
+
+
+def _recorded_ok(key: str, value: object) -> bool:
+    kinds = _RECORDED_TYPES.get(key, (str,))
+    items = value if key in ("input_size", "leaf") and isinstance(value, list) else None
+    if key in ("input_size", "leaf") and items is None:
+        return False
+    return all(type(v) in kinds for v in (items if items is not None else [value]))
+
+
 def _with_recorded(args: argparse.Namespace, run: dict) -> argparse.Namespace:
     """A copy of ``args`` with every setting not given taken from the recorded run (given ones must match)."""
     settings = argparse.Namespace(**vars(args))
     recorded = run.get("cli", {})
+    if not isinstance(recorded, dict):
+        raise ConfigError(
+            "cannot resume: the recorded command-line settings are not an object; the state was altered."
+        )
+    for key in RECORDED:
+        value = recorded.get(key)
+        if value is not None and not _recorded_ok(key, value):
+            raise ConfigError(
+                f"cannot resume: the recorded setting {key} is {value!r:.60}, which the command line never "
+                "records; the training state was altered. Start a new run in another --out folder."
+            )
     for key in RECORDED:
         if not getattr(settings, key, None) and recorded.get(key) is not None:
             setattr(settings, key, recorded[key])

@@ -58,6 +58,7 @@ MEMORY_MODES = {  # label: manifestation settings (steps added per point)
     "checkpoint (Euler)": {"integrator": "euler", "backward": "checkpoint"},
     "reverse (Euler)": {"integrator": "euler", "backward": "reverse"},
     "reversible (reversible Heun)": {"integrator": "reversible_heun", "backward": "reversible"},
+    "reversible (ALF)": {"integrator": "alf", "backward": "reversible"},
 }
 MEMORY_BATCH = 16
 

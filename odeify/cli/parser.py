@@ -119,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        arg.check_command_line(parser, sys.argv[1:] if argv is None else argv, args)
         module, function = HANDLERS[args.command]
         print_log_lines(to_stderr=stdout_is_data(args))
         return getattr(importlib.import_module(module), function)(args)
@@ -298,7 +299,7 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         metavar="EPOCHS",
         help="comma-separated epochs at whose start every stage's knots and steps double (e.g. 2,3)",
     )
-    finetune.add_argument("--seed", type=int, help="seed of the batch order and RNGs (default 0)")
+    finetune.add_argument("--seed", type=arg.seed, help="seed of the batch order and RNGs (default 0)")
     finetune.add_argument(
         "--deterministic",
         action="store_true",

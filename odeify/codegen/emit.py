@@ -4,19 +4,26 @@ One writer serves both uses: the ``lower`` pass inlines a whole stage into a mod
 :meth:`ODEStage.step_graph` builds one-step graphs that run eagerly and are re-run by the
 adjoint modes. Coefficients are exact Fractions from the basis; a one-hot row references its knot
 directly, so native-depth Euler adds no arithmetic to the original network.
+
+A graph built for a stage to run by itself comes as a :class:`StepGraph`, which says which knot
+rows it reads, and is cached on the stage (one :class:`GraphCache` per stage, rebuilt when
+:meth:`StageIR.graph_signature` changes) under this module's lock.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import torch
 import torch.fx as fx
 
 from odeify.ir.meta import tag
-from odeify.ir.stage_ir import CACHE_LOCK, Slot, StageIR
-from odeify.numerics.tableaus import ReversibleHeun, Tableau
+from odeify.ir.stage_ir import Slot, StageIR
+from odeify.numerics.tableaus import AsyncLeapfrog, ReversibleHeun, ReversibleScheme, Tableau
 
 DENSE_MIX_ABOVE = 4  # rows with more nonzero coefficients use one tensordot instead of a sum
 
@@ -212,6 +219,28 @@ def reversible_heun_step(w: StageWriter, n: int, y: fx.Node, z: fx.Node) -> tupl
     return y_next, z_next
 
 
+def alf_step(w: StageWriter, n: int, z: fx.Node, v: fx.Node | None) -> tuple[fx.Node, fx.Node]:
+    """MALI's asynchronous leapfrog (Zhuang et al. 2021), damping 1: from (z_n, v_n) to (z_{n+1}, v_{n+1}).
+
+    s = z + h/2 v; u = F(t_n + h/2, s); v' = 2u - v; z' = s + h/2 v'. Step 0 ignores ``v`` and
+    starts from v_0 = 0 (then s = z) or v_0 = F(t_0, z_0), as the integrator says.
+    """
+    h = Fraction(1, w.stage.steps)
+    if n == 0:
+        start = w.stage.integrator.initial_velocity
+        v = None if start == "zero" else w.field(Fraction(0), False, z, "s0_0")
+    s = z if v is None else w.axpy(z, [(h / 2, v)], name=f"{w.tag}_s{n}")
+    u = w.field((n + Fraction(1, 2)) * h, False, s, f"s{n}")
+    name = f"{w.tag}_v{n + 1}"
+    if v is None:
+        v_next = w.node("call_function", operator.mul, (u, 2.0), name=name)
+    else:
+        two_u = w.node("call_function", operator.mul, (u, 2.0))
+        v_next = w.node("call_function", operator.sub, (two_u, v), name=name)
+    z_next = w.axpy(s, [(h / 2, v_next)], name=f"{w.tag}_z{n + 1}")
+    return z_next, v_next
+
+
 def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
     """The whole stage, unrolled: returns the node holding x(1)."""
     integrator = w.stage.integrator
@@ -220,52 +249,81 @@ def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
         for n in range(w.stage.steps):
             y, z = reversible_heun_step(w, n, y, z)
         return y
+    if isinstance(integrator, AsyncLeapfrog):
+        v = None
+        for n in range(w.stage.steps):
+            x, v = alf_step(w, n, x, v)
+        return x
     for n in range(w.stage.steps):
         x = rk_step(w, integrator, n, x)
     return x
 
 
-def build_unrolled_graph(stage: StageIR) -> fx.GraphModule:
-    """A graph module ``(x, knots...) -> x(1)``: the whole stage unrolled as lowering inlines it."""
+@dataclass(frozen=True)
+class StepGraph:
+    """A graph module built for a stage to run by itself, with what its runner must know.
+
+    Its inputs are the state, then each knot stack's rows ``knot_window`` (the rows it reads; see
+    :func:`odeify.runtime.rerun.knot_window_inputs`); ``evaluations`` counts its field evaluations.
+    """
+
+    module: fx.GraphModule
+    knot_window: slice
+    evaluations: int
+
+    def __call__(self, *inputs: torch.Tensor):
+        return self.module(*inputs)
+
+    @property
+    def code(self) -> str:
+        """The Python the graph runs, for reading."""
+        return self.module.code
+
+
+def build_unrolled_graph(stage: StageIR) -> StepGraph:
+    """A graph ``(x, knots...) -> x(1)``: the whole stage unrolled as lowering inlines it."""
     return _graph_over_knots(stage, "unrolled", ("x",), lambda w, x: write_stage(w, x))
 
 
-def build_step_graph(stage: StageIR, n: int, kind: str) -> fx.GraphModule:
-    """A graph module ``(state..., knots...) -> state`` for step ``n``, over the knots it reads.
+def build_step_graph(stage: StageIR, n: int, kind: str) -> StepGraph:
+    """A graph ``(state..., knots...) -> state`` for step ``n``, over the knots it reads.
 
     ``forward`` steps from n to n+1; ``reverse`` approximately rebuilds step n's start from its
-    end by stepping backward (explicit tableaus). The knot inputs are the stacks' rows
-    ``gm.knot_window`` (see :func:`odeify.runtime.rerun.knot_window_inputs`).
+    end by stepping backward (explicit tableaus; the reversible schemes are inverted exactly by
+    :mod:`odeify.runtime.reversible` instead).
     """
-    if isinstance(stage.integrator, ReversibleHeun):
+    integrator = stage.integrator
+    if isinstance(integrator, ReversibleScheme):
         if kind != "forward":
             raise ValueError(
-                f"reversible Heun has no {kind!r} step graph; odeify.runtime.reversible inverts it"
+                f"{integrator.name} has no {kind!r} step graph; odeify.runtime.reversible inverts it"
             )
-        return _graph_over_knots(
-            stage, f"forward_step{n}", ("y", "z"), lambda w, y, z: reversible_heun_step(w, n, y, z)
-        )
+        if isinstance(integrator, ReversibleHeun):
+            return _graph_over_knots(
+                stage, f"forward_step{n}", ("y", "z"), lambda w, y, z: reversible_heun_step(w, n, y, z)
+            )
+        return _graph_over_knots(stage, f"forward_step{n}", ("z", "v"), lambda w, z, v: alf_step(w, n, z, v))
     direction = 1 if kind == "forward" else -1
     return _graph_over_knots(
-        stage, f"{kind}_step{n}", ("x",), lambda w, x: (rk_step(w, stage.integrator, n, x, direction),)
+        stage, f"{kind}_step{n}", ("x",), lambda w, x: (rk_step(w, integrator, n, x, direction),)
     )
 
 
-def build_field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
-    """A graph module ``(x, knots...) -> F(t, x)`` for one time, over the knots it reads."""
+def build_field_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:
+    """A graph ``(x, knots...) -> F(t, x)`` for one time, over the knots it reads."""
     return _graph_over_knots(stage, "field", ("x",), lambda w, x: w.field(t, left, x, "t"))
 
 
-def build_delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
-    """A graph module ``(x, knots...) -> F(t, x) / L``: the field without its depth factor.
+def build_delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:
+    """A graph ``(x, knots...) -> F(t, x) / L``: the field without its depth factor.
 
-    Reversible Heun folds L into its lattice increments (one multiply fewer per evaluation, and one
-    fewer in its VJP).
+    The reversible schemes fold L into their lattice increments (one multiply fewer per
+    evaluation, and one fewer in its VJP).
     """
     return _graph_over_knots(stage, "delta", ("x",), lambda w, x: w.delta(t, left, x, "t"))
 
 
-def _graph_over_knots(stage: StageIR, name: str, state: tuple[str, ...], write) -> fx.GraphModule:
+def _graph_over_knots(stage: StageIR, name: str, state: tuple[str, ...], write) -> StepGraph:
     """Build ``(state..., knot stacks...) -> write(writer, *state)`` taking only the knots it reads.
 
     The graph is written over the full stacks first to learn which knots it reads; if that is a
@@ -280,10 +338,7 @@ def _graph_over_knots(stage: StageIR, name: str, state: tuple[str, ...], write) 
             graph, writer = _write_graph(stage, state, write, window)
     else:
         window = full
-    gm = fx.GraphModule(stage, graph, f"{writer.tag}_{name}")
-    gm.knot_window = window
-    gm.evaluations = writer.evaluations
-    return gm
+    return StepGraph(fx.GraphModule(stage, graph, f"{writer.tag}_{name}"), window, writer.evaluations)
 
 
 def _write_graph(
@@ -298,38 +353,68 @@ def _write_graph(
     return graph, writer
 
 
-def unrolled_graph(stage: StageIR) -> fx.GraphModule:
-    """The stage's unrolled graph, built once per manifestation (see :meth:`StageIR.caches`)."""
+def unrolled_graph(stage: StageIR) -> StepGraph:
+    """The stage's unrolled graph, built once per manifestation (see :class:`GraphCache`)."""
     return _cached(stage, "unrolled", lambda: build_unrolled_graph(stage))
 
 
-def step_graph(stage: StageIR, n: int, kind: str = "forward") -> fx.GraphModule:
+def step_graph(stage: StageIR, n: int, kind: str = "forward") -> StepGraph:
     """The graph of step ``n`` (``forward`` or approximate ``reverse``), built once per manifestation."""
     return _cached(stage, (n, kind), lambda: build_step_graph(stage, n, kind))
 
 
-def field_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+def field_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:
     """The graph of F(t, x) at an exact time, built once per manifestation."""
     t = Fraction(t)
     return _cached(stage, (t, left, "field"), lambda: build_field_graph(stage, t, left))
 
 
-def delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> fx.GraphModule:
+def delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:
     """The graph of F(t, x) / L at an exact time, built once per manifestation."""
     t = Fraction(t)
     return _cached(stage, (t, left, "delta"), lambda: build_delta_graph(stage, t, left))
 
 
-def _cached(stage: StageIR, key: tuple | str, build) -> fx.GraphModule:
-    graphs = stage.caches().graphs
-    graph = graphs.get(key)
-    return graph if graph is not None else _build(graphs, key, build)
+CACHE_LOCK = threading.RLock()
+"""Serialises building a stage's graphs: two threads running a cold stage must not race.
+
+One lock for all stages (a per-stage lock would not survive ``copy.deepcopy``); it is taken only
+while a cache or a graph is built, never while a built graph runs."""
+
+
+@dataclass
+class GraphCache:
+    """The graphs built for one stage, valid while its :meth:`StageIR.graph_signature` is ``signature``."""
+
+    signature: tuple | None
+    graphs: dict[tuple | str, StepGraph] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo: dict) -> GraphCache:
+        return GraphCache(None)  # a copied stage builds its own: these graphs hold the original's modules
+
+
+def _cached(stage: StageIR, key: tuple | str, build: Callable[[], StepGraph]) -> StepGraph:
+    signature = stage.graph_signature()
+    cache = getattr(stage, "_graph_cache", None)
+    if cache is None or cache.signature != signature:
+        cache = _new_cache(stage, signature)
+    graph = cache.graphs.get(key)
+    return graph if graph is not None else _build(cache.graphs, key, build)
+
+
+@torch.compiler.disable
+def _new_cache(stage: StageIR, signature: tuple) -> GraphCache:
+    with CACHE_LOCK:
+        cache = getattr(stage, "_graph_cache", None)
+        if cache is None or cache.signature != signature:
+            cache = stage._graph_cache = GraphCache(signature)
+    return cache
 
 
 # Under torch.compile a cache miss runs eagerly (a graph break): writing a graph handles exact
 # Fractions and fx objects that dynamo would try, and fail, to trace. Built graphs are traced.
 @torch.compiler.disable
-def _build(graphs: dict, key: tuple | str, build) -> fx.GraphModule:
+def _build(graphs: dict, key: tuple | str, build: Callable[[], StepGraph]) -> StepGraph:
     with CACHE_LOCK:
         if key not in graphs:
             graphs[key] = build()

@@ -13,6 +13,8 @@ from torch import nn
 
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import ANALYZE, ANALYZE_GRAPH, TRACE_SHAPES
+from odeify.core.budget import check_input_bytes
+from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ConfigError, OdeifyError
 from odeify.ir.plan import Plan
 
@@ -34,9 +36,7 @@ def input_shape_for(model: nn.Module, input_size: Sequence[int] | None) -> tuple
     """Validate a user-given input size; default to the model's pretrained config."""
     from odeify.models.timm_interface import default_input_size
 
-    if input_size is None:
-        return tuple(default_input_size(model))
-    shape = tuple(input_size)
+    shape = tuple(default_input_size(model) if input_size is None else input_size)
     if not shape or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
         raise OdeifyError(
             "input_size must be positive integers such as (1, 3, 224, 224) or (3, 224, 224); "
@@ -44,7 +44,8 @@ def input_shape_for(model: nn.Module, input_size: Sequence[int] | None) -> tuple
         )
     if len(shape) == 3:
         shape = (1, *shape)
-    return shape
+    check_input_bytes("input_size", shape, model_dtype(model).itemsize)  # traced on meta; the
+    return shape  # verification input and probes are real, so the size is bounded where it enters
 
 
 def validate_leaf_modules(leaf_modules: object) -> None:

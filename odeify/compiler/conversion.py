@@ -18,7 +18,7 @@ from odeify.compiler.analysis import input_shape_for, resolve_model, validate_le
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT, REMANIFEST
 from odeify.core.errors import ConfigError
-from odeify.ir.settings import DEFAULTS, StageSettings, parse_steps, validate_backward
+from odeify.ir.settings import DEFAULTS, StageRequest, parse_steps, validate_backward
 from odeify.numerics.bases import get_basis
 from odeify.numerics.tableaus import resolve_integrator
 from odeify.passes.manifest import check_manifestation
@@ -29,7 +29,7 @@ __all__ = ["check_converted", "convert", "converted_stages", "retarget", "set_ba
 
 StepsSpec = int | str | Mapping[str, int | str]
 KnotsSpec = int | str | Mapping[str, int | str]
-Settings = Callable[[list[str]], dict[str, StageSettings]]
+Settings = Callable[[list[str]], dict[str, StageRequest]]
 
 
 def convert(
@@ -200,10 +200,10 @@ def _settings(requested: Mapping[str, object], fill: bool) -> Settings:
     ``fill`` (convert) a dict's missing stages get the default, without (retarget) they keep theirs.
     """
 
-    def settings_for(names: list[str]) -> dict[str, StageSettings]:
+    def settings_for(names: list[str]) -> dict[str, StageRequest]:
         per_stage = {key: _per_stage(value, names, key, fill) for key, value in requested.items()}
         return {
-            name: StageSettings(**{k: v[name] for k, v in per_stage.items() if name in v}) for name in names
+            name: StageRequest(**{k: v[name] for k, v in per_stage.items() if name in v}) for name in names
         }
 
     return settings_for

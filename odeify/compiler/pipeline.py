@@ -20,7 +20,7 @@ from torch import nn
 
 from odeify.core.errors import OdeifyError
 from odeify.ir.plan import Block, Plan
-from odeify.ir.settings import StageSettings
+from odeify.ir.settings import StageRequest
 from odeify.passes.contract import PassContractError, PassSpec
 from odeify.passes.properties import Property
 
@@ -46,7 +46,7 @@ class Job:
     name: str = ""
     input_shape: tuple[int, ...] = ()
     leaf_modules: Sequence[type[nn.Module]] = ()
-    settings_for: Callable[[list[str]], dict[str, StageSettings]] = lambda names: {}
+    settings_for: Callable[[list[str]], dict[str, StageRequest]] = lambda names: {}
     whole_model: bool = False
     gm: fx.GraphModule | None = None
     blocks: list[Block] = field(default_factory=list)

@@ -1,3 +1,5 @@
-"""The foundation: user-facing errors, atomic file writes, resource budgets, the model-dtype rule.
+"""The foundation: user-facing errors, the rule for paths read and written, file reading and atomic
+writes, the bounds on what a file may ask for and the resource budgets, the run lock, the model-dtype
+rule.
 
 Imports nothing from odeify but itself; every other layer may import it."""

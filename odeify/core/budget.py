@@ -2,8 +2,10 @@
 
 A manifestation's cost is known before any graph is written or tensor allocated: the number of
 fx nodes of an unrolled stage, the bytes of its knots, the exact-arithmetic work of a least-squares
-refit. Each check compares the estimate with a limit and, past it, raises a ConfigError that says
-what was asked, the estimate, the limit, and the environment variable that raises it.
+refit. So is every size that comes from a file or an argument: the parameters of a model built by
+name (estimated on the meta device first), the bytes of an example input or of a data split held
+in memory. Each check compares the estimate with a limit and, past it, raises a ConfigError that
+says what was asked, the estimate, the limit, and the environment variable that raises it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ import os
 
 from odeify.core.errors import ConfigError
 
-__all__ = ["check_fit_work", "check_graph_nodes", "check_knot_bytes", "limit"]
+__all__ = [
+    "check_fit_work",
+    "check_graph_nodes",
+    "check_input_bytes",
+    "check_knot_bytes",
+    "check_model_bytes",
+    "limit",
+]
 
 LIMITS = {
     # fx nodes of one stage's unrolled graph: ~1e6 nodes take about a minute to write and compile
@@ -21,7 +30,14 @@ LIMITS = {
     "ODEIFY_MAX_KNOT_BYTES": 0,
     # K^2 * L exact Fraction operations of a least-squares fit (x16 for the cubic basis): ~10 s at 4e6
     "ODEIFY_MAX_FIT_WORK": 64_000_000,
+    # parameters and buffers of a model built from a name, a file's settings or an argument (num_classes,
+    # in_chans, ...): a billion float32 numbers; the largest timm ResNet-family models hold under a quarter
+    "ODEIFY_MAX_MODEL_BYTES": 4 * 2**30,
+    # input data held at once: an example batch (tracing, --verify, the load-time probe) or a data split
+    # kept in memory (the digits set at the model's input size); 64 x 3 x 1024 x 1024 float32 is 0.75 GiB
+    "ODEIFY_MAX_INPUT_BYTES": 2**30,
 }
+_IN_BYTES = {"ODEIFY_MAX_KNOT_BYTES", "ODEIFY_MAX_MODEL_BYTES", "ODEIFY_MAX_INPUT_BYTES"}
 
 
 def limit(name: str) -> int:
@@ -77,10 +93,37 @@ def check_fit_work(stage: str, knots: int, samples: int, basis: str) -> None:
     )
 
 
+def check_model_bytes(what: str, nbytes: int) -> None:
+    """Refuse building a model whose parameters and buffers would exceed the memory limit."""
+    _refuse_above(
+        "ODEIFY_MAX_MODEL_BYTES",
+        nbytes,
+        f"{what} would hold {_gib(nbytes)} of parameters and buffers",
+        "ask for a smaller model (fewer classes, channels or blocks)",
+    )
+
+
+def check_input_bytes(what: str, shape: tuple[int, ...], itemsize: int) -> None:
+    """Refuse input data of ``shape`` (``itemsize`` bytes per element) over the input limit.
+
+    ``shape`` may come straight from a file or the command line: its product is computed exactly
+    (Python integers), never allocated.
+    """
+    count = 1
+    for size in shape:
+        count *= size
+    _refuse_above(
+        "ODEIFY_MAX_INPUT_BYTES",
+        count * itemsize,
+        f"{what} of shape {list(shape)} would hold {_gib(count * itemsize)}",
+        "use a smaller input size",
+    )
+
+
 def _refuse_above(name: str, estimate: int, what: str, fix: str) -> None:
     bound = limit(name)
     if estimate > bound:
-        shown = _gib(bound) if name == "ODEIFY_MAX_KNOT_BYTES" else f"{bound:,}"
+        shown = _gib(bound) if name in _IN_BYTES else f"{bound:,}"
         raise ConfigError(
             f"{what}, over the limit of {shown}. To proceed anyway, {fix}, or raise the limit with the "
             f"environment variable {name}."
@@ -95,4 +138,6 @@ def _physical_memory() -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    if n >= 2**70:  # an estimate from a hostile size: its order of magnitude, never a float overflow
+        return f"about 1e{len(str(n)) - 1} bytes"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"

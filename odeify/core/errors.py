@@ -29,10 +29,13 @@ class NoResidualBlocksError(OdeifyError):
 
 
 class FallbackWarning(RuntimeWarning):
-    """A memory-free backward pass was redone exactly from the stage input: same gradients, more compute.
+    """A memory-free backward pass could not stay memory-free, or could not rebuild its states exactly.
 
-    Warned once per stage; ``stage.adjoint_stats.fallbacks`` counts every such pass. A category of
-    its own so that a caller that reports the counts itself can filter exactly these warnings.
+    A fallback (the pass redone exactly from the stage input: same gradients, more compute) warns
+    once per stage, and ``stage.adjoint_stats.fallbacks`` counts every one; an inexact rebuild
+    (``backward='reversible'`` on a field that returned other bits on a re-run) warns on every such
+    pass. Both point at the user's line. A category of its own so that a caller that reports the
+    counts itself can filter exactly these warnings.
     """
 
 

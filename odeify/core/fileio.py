@@ -1,24 +1,47 @@
-"""Atomic file writes: a failed or interrupted write never destroys the file already at the path.
+"""Files in and out: atomic writes, and the one reader of safetensors files and their JSON metadata.
 
-Checkpoints, benchmark results and plots are all written through here: the data goes to a temporary
-file in the target's own folder (same file system, so the final rename is atomic), is fsynced, and
-only then replaces the target with ``os.replace``. A temporary file left by a killed writer is
-removed by the next write to the same target.
+Writing: checkpoints, saved models, training states, benchmark results and plots all go through
+:func:`atomic_path`: the data goes to a temporary file in the target's own folder (same file system,
+so the final rename is atomic), is fsynced, and only then replaces the target with ``os.replace``.
+A temporary file left by a killed writer is removed by the next write to the same target. A failed
+write names the file it could not write.
+
+Reading: saved models, checkpoints and training states are safetensors files whose metadata holds
+JSON; :func:`read_header`, :func:`read_tensors` and :func:`read_json` read them for every caller,
+with the caller's error type and words. A duplicate key is refused (a plain reader keeps the last
+value without a word). ``NaN``, ``Infinity`` and overflowing numbers are read as the floats they
+are, for the caller's schema to refuse by name: every number a schema reads is checked to be finite.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import secrets
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["atomic_path", "atomic_write_bytes", "remove_stale_temps"]
+from odeify.core.errors import OdeifyError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "SafetensorsHeader",
+    "atomic_path",
+    "atomic_write_bytes",
+    "read_header",
+    "read_json",
+    "read_tensors",
+    "remove_stale_temps",
+]
 
 
 STALE_AFTER_S = 24 * 3600  # a temp file this old is left over even if its writer's pid was reused
@@ -122,12 +145,20 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             break
         except FileExistsError:
             continue
+        except OSError as exc:  # a read-only folder, ...: name the target, not the hidden temporary name
+            raise OSError(exc.errno, exc.strerror or str(exc), str(target)) from exc
     try:
         yield tmp
         _fsync_file(tmp)
         with contextlib.suppress(FileNotFoundError):
             os.chmod(tmp, target.stat().st_mode & 0o7777)
         os.replace(tmp, target)
+    except OSError as exc:  # no space, a file-size limit (EFBIG), ...: name the file, not only the reason
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        if exc.filename is not None and Path(exc.filename) != tmp:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(target)) from exc
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -140,3 +171,68 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading safetensors files and their JSON metadata
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """What a safetensors file says before its tensors are read: string metadata, tensor shapes and dtypes."""
+
+    metadata: dict[str, str]
+    tensors: dict[str, tuple[tuple[int, ...], str]]
+
+
+def read_header(path: Path, error: type[OdeifyError], describe: str) -> SafetensorsHeader:
+    """The header of the safetensors file at ``path``; ``error("PATH is not DESCRIBE: ...")`` if not one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            metadata = dict(handle.metadata() or {})
+            tensors = {}
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                tensors[key] = (tuple(piece.get_shape()), str(piece.get_dtype()))
+    except Exception as exc:  # safetensors raises its own error types for malformed files
+        raise error(f"{path} is not {describe}: {exc}") from exc
+    return SafetensorsHeader(metadata, tensors)
+
+
+def read_tensors(path: Path, error: type[OdeifyError], describe: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file at ``path``, on the CPU."""
+    import safetensors.torch
+
+    try:
+        return safetensors.torch.load_file(str(path), device="cpu")
+    except Exception as exc:  # safetensors raises its own error types for malformed files
+        raise error(f"{path}: the tensors of {describe} cannot be read ({exc}); the file is damaged") from exc
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _Refused(f"the key {key!r:.60} appears twice in one object")
+        found[key] = value
+    return found
+
+
+def read_json(
+    text: object, where: str, error: type[OdeifyError], max_bytes: int, what: str = "the JSON"
+) -> Any:
+    """``text`` (at most ``max_bytes``) parsed as JSON whose objects hold each key once."""
+    if not isinstance(text, str) or len(text) > max_bytes:
+        raise error(f"{where}: {what} is not a string of at most {max_bytes} bytes")
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except _Refused as exc:
+        raise error(f"{where}: {what} is refused: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, an integer of over 4300 digits
+        raise error(f"{where}: {what} is not valid JSON ({exc})") from None

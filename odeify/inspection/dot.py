@@ -123,5 +123,5 @@ def _short_op(gm: fx.GraphModule, node: fx.Node) -> str:
 
 def _quote(text: str) -> str:
     """A DOT double-quoted string; newlines become DOT line breaks."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\r", "\\n").replace("\n", "\\n")
     return f'"{escaped}"'

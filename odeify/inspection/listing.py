@@ -26,10 +26,10 @@ def model_code(model: fx.GraphModule) -> str:
         if stage.inlined:
             continue  # its steps are in the model's code above
         header = (
-            f"# stage '{stage.stage_name}' ({stage.integrator.name}, {stage.steps} steps, {stage.num_knots} "
-            f"knots, {stage.basis} basis, backward={stage.backward!r}): what self.{_attribute(model, stage)}"
-            "(x) computes. Forward runs these steps without keeping activations; backward re-runs them "
-            "(see docs/backward-modes.md)."
+            f"# stage {stage.stage_name!r} ({_name(stage.integrator.name)}, {stage.steps} steps, "
+            f"{stage.num_knots} knots, {stage.basis} basis, backward={stage.backward!r}): what "
+            f"self.{_name(_attribute(model, stage))}(x) computes. Forward runs these steps without keeping "
+            "activations; backward re-runs them (see docs/backward-modes.md)."
         )
         parts.append(f"{header}\n{unrolled_graph(stage).code.strip()}\n")
     for name, module in model.named_children():
@@ -37,6 +37,12 @@ def model_code(model: fx.GraphModule) -> str:
             header = f"# segment self.{name}: recomputed in backward from its inputs (checkpointing)"
             parts.append(f"{header}\n{module.runnable.code.strip()}\n")
     return "\n\n".join(parts)
+
+
+def _name(text: str) -> str:
+    """A name as it may appear in a ``#`` comment: as is when it is a Python name, else its repr, which
+    is one line (a tableau named 'a\\nimport os' would otherwise put a live line into the listing)."""
+    return text if text.isidentifier() else repr(text)
 
 
 def _attribute(model: fx.GraphModule, stage: object) -> str:

@@ -31,6 +31,11 @@ __all__ = [
 PATH_POINTS = 240  # times at which the weight path is drawn between the knots
 
 
+def _plain(text: str) -> str:
+    """``text`` shown as typed: matplotlib reads ``$...$`` as math (a file name with one '$' would fail)."""
+    return text.replace("$", r"\$")
+
+
 def _save(fig: Figure, path: str | os.PathLike[str]) -> None:
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -76,13 +81,13 @@ def plot_weight_path(model: nn.Module, path: str | os.PathLike[str], title: str 
         ax.set_xlabel("depth t (stage input 0, output 1)")
         ax.set_ylabel("norm of the weight tensor")
         ax.set_title(
-            f"{stage.stage_name}: {count} knots, {stage.basis} basis\n{stage.integrator.name}, "
-            f"{stage.steps} step{'s' if stage.steps != 1 else ''}"
+            _plain(f"{stage.stage_name}: {count} knots, {stage.basis} basis\n{stage.integrator.name}, ")
+            + f"{stage.steps} step{'s' if stage.steps != 1 else ''}"
         )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(_plain(title))
     _save(fig, path)
 
 
@@ -99,7 +104,7 @@ def plot_sweep(
         lines.setdefault(label, []).append(point)
     for label, members in lines.items():
         members = sorted(members, key=lambda p: p.nfe)
-        ax.plot([p.nfe for p in members], [100 * p.accuracy for p in members], "o-", label=label)
+        ax.plot([p.nfe for p in members], [100 * p.accuracy for p in members], "o-", label=_plain(label))
         for p in members:
             ax.annotate(
                 f"steps {p.steps}",
@@ -112,7 +117,7 @@ def plot_sweep(
     ax.set_xscale("log", base=2)
     ax.set_xlabel("field evaluations per forward pass (NFE, all stages)")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(title)
+    ax.set_title(_plain(title))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     _save(fig, path)

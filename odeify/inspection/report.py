@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from rich.markup import escape
 from rich.table import Table
 from torch import nn
 
@@ -106,6 +107,12 @@ def describe(converted: nn.Module, name: str | None = None) -> ConversionReport:
     )
 
 
+def _text(value: object) -> str:
+    """``value`` as table text: names (from a file or a user's tableau) are escaped, never read as rich
+    markup (a tableau named ``[/x]`` would end a style that was never opened; ``[bold]`` would vanish)."""
+    return escape(str(value))
+
+
 def format_shape(shape: Sequence[int]) -> str:
     """'C x H x W' of a batched shape, written '64x56x56'."""
     return "x".join(str(s) for s in shape[1:]) or "scalar"
@@ -118,7 +125,7 @@ def format_plan_table(plan: Plan) -> Table:
     periodic = len(plan.runs) - len(stages)
     waiting = f"; {periodic} runs of period > 1 are not converted yet" if periodic else ""
     table = Table(
-        title=f"{plan.model}: runs of identity blocks (input {'x'.join(map(str, plan.input_shape))})",
+        title=f"{_text(plan.model)}: runs of identity blocks (input {'x'.join(map(str, plan.input_shape))})",
         caption=f"{len(stages)} runs, {sum(run.length for run in stages)} identity blocks become ODE "
         f"stages{waiting}; {len(plan.discrete)} blocks stay discrete",
     )
@@ -136,13 +143,13 @@ def format_plan_table(plan: Plan) -> Table:
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     for index, run in enumerate(plan.runs):
         table.add_row(
-            run.name,
+            _text(run.name),
             str(index),
             str(run.length),
             str(run.period),
             "identity",
-            FORM_NAMES.get(run.form, run.form),
-            run.activation or "-",
+            _text(FORM_NAMES.get(run.form, run.form)),
+            _text(run.activation or "-"),
             format_shape(run.shape),
             f"{run.parameters_per_block:,}",
         )
@@ -157,10 +164,10 @@ def format_discrete_table(plan: Plan) -> Table:
     for item in plan.discrete:
         block = item.block
         table.add_row(
-            block.scope or f"block {block.index}",
-            block.kind,
+            _text(block.scope or f"block {block.index}"),
+            _text(block.kind),
             f"{format_shape(block.in_shape)} -> {format_shape(block.out_shape)}",
-            item.reason,
+            _text(item.reason),
         )
     return table
 
@@ -173,8 +180,8 @@ def format_report_table(report: ConversionReport) -> Table:
         f"({ratio:.3f}x; BatchNorm folded into convs)"
     )
     if report.not_lifted:
-        caption += "; not lifted: " + "; ".join(f"{n} ({why})" for n, why in report.not_lifted)
-    table = Table(title=f"{report.model}: ODE stages", caption=caption, show_footer=True)
+        caption += "; not lifted: " + "; ".join(f"{_text(n)} ({_text(why)})" for n, why in report.not_lifted)
+    table = Table(title=f"{_text(report.model)}: ODE stages", caption=caption, show_footer=True)
     columns = (
         ("stage", "left", "total"),
         ("form", "left", ""),
@@ -191,15 +198,15 @@ def format_report_table(report: ConversionReport) -> Table:
         table.add_column(header, footer, justify=justify)  # type: ignore[arg-type]
     for s in report.stages:
         table.add_row(
-            s.name,
-            FORM_NAMES.get(s.form, s.form),
+            _text(s.name),
+            _text(FORM_NAMES.get(s.form, s.form)),
             str(s.depth),
             str(s.knots),
-            s.basis,
-            s.integrator,
+            _text(s.basis),
+            _text(s.integrator),
             str(s.steps),
             str(s.nfe),
-            s.backward,
+            _text(s.backward),
             f"{s.parameters:,}",
         )
     return table

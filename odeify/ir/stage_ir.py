@@ -2,17 +2,18 @@
 
 A :class:`StageIR` holds a *template* of one block (an fx graph taking ``x`` and one tensor per
 weight slot), the knots (each slot's per-knot tensors stacked on a leading axis), and the
-manifestation (basis, integrator, steps, backward mode), plus the exact basis coefficients the
-code generator asks for. It runs nothing: :mod:`odeify.codegen.emit` writes its computation as fx graphs
-and :class:`odeify.runtime.stage.ODEStage` (the runtime) executes them.
+manifestation (one frozen :class:`~odeify.ir.settings.StageSettings`: basis, integrator, steps,
+backward mode), plus the exact basis coefficients the code generator asks for. It runs nothing and
+caches nothing: :mod:`odeify.codegen.emit` writes (and caches) its computation as fx graphs and
+:class:`odeify.runtime.stage.ODEStage` (the runtime) executes them.
 """
 
 from __future__ import annotations
 
 import copy
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -23,18 +24,19 @@ from odeify.core.budget import check_graph_nodes
 from odeify.core.errors import ConfigError
 from odeify.ir.settings import (
     BackwardMode,
+    StageSettings,
     validate_backward,
     validate_checkpoint_every,
+    validate_midpoints,
     validate_steps,
 )
 from odeify.numerics.bases import get_basis
-from odeify.numerics.tableaus import Integrator, ReversibleHeun, resolve_integrator
+from odeify.numerics.tableaus import Integrator, ReversibleScheme, resolve_integrator
 
-CACHE_LOCK = threading.RLock()
-"""Serialises building a stage's graphs and rows: two threads running a cold stage must not race.
 
-One lock for all stages (a per-stage lock would not survive ``copy.deepcopy``); it is taken only
-while caches are built, never while a built graph runs."""
+def _setting(name: str, doc: str) -> property:
+    """A read-only view of one field of a stage's ``settings`` (change them with ``configure``)."""
+    return property(lambda stage: getattr(stage.settings, name), doc=doc)
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,9 @@ class StageIR(nn.Module):
                 self.register_buffer(f"{slot.kind}_{slot.name}", tensor)
         self.variants = nn.ModuleDict({key: nn.ModuleList(mods) for key, mods in (variants or {}).items()})
         self.variant_targets = {key.replace("__", "."): key for key in self.variants}
-        self.configure(
-            basis=basis, integrator=integrator, steps=steps or depth, backward=backward, checkpoint_every=1
-        )
+        self._generation = 0  # bumped when Module._apply replaces tensors: built graphs hold them
+        wanted = StageSettings(basis, resolve_integrator(integrator), steps or depth, backward)
+        self.settings = self._validated(wanted)
 
     def standalone(self) -> StageIR:
         """A deep copy of this stage that runs on its own (``stage(x)``) and may be configured freely."""
@@ -119,28 +121,38 @@ class StageIR(nn.Module):
                 "in place would change nothing the model runs. Use odeify.retarget(model, ...) for a new "
                 "manifestation (a new module) or odeify.set_backward(model, mode) (in place)."
             )
-        current = (
-            getattr(self, "basis", None),
-            getattr(self, "integrator", None),
-            getattr(self, "steps", None),
-        )
-        new_basis = get_basis(basis).name if basis is not None else current[0]
-        new_integrator = resolve_integrator(integrator) if integrator is not None else current[1]
-        new_steps = validate_steps(steps, self.stage_name) if steps is not None else current[2]
-        new_backward = validate_backward(backward if backward is not None else self.backward, new_integrator)
-        if checkpoint_every is not None:
-            checkpoint_every = validate_checkpoint_every(checkpoint_every, self.stage_name)
-        evaluations = 2 if isinstance(new_integrator, ReversibleHeun) else new_integrator.stages
-        check_graph_nodes(self.stage_name, new_steps, evaluations, len(self.template.graph.nodes))
-        if checkpoint_every is not None:
-            self.checkpoint_every = checkpoint_every
-        self.basis, self.integrator, self.steps, self.backward = (
-            new_basis,
-            new_integrator,
-            new_steps,
-            new_backward,
+        old = self.settings
+        self.settings = self._validated(
+            StageSettings(
+                old.basis if basis is None else basis,
+                old.integrator if integrator is None else resolve_integrator(integrator),
+                old.steps if steps is None else steps,
+                old.backward if backward is None else backward,
+                old.checkpoint_every if checkpoint_every is None else checkpoint_every,
+            )
         )
         return self
+
+    def _validated(self, wanted: StageSettings) -> StageSettings:
+        """``wanted`` with every entry checked (names resolved), or a ConfigError naming the fix."""
+        name = self.stage_name
+        settings = StageSettings(
+            get_basis(wanted.basis).name,
+            wanted.integrator,
+            validate_steps(wanted.steps, name),
+            validate_backward(wanted.backward, wanted.integrator),
+            validate_checkpoint_every(wanted.checkpoint_every, name),
+        )
+        integrator = settings.integrator
+        check_graph_nodes(name, settings.steps, integrator.evals_per_step, len(self.template.graph.nodes))
+        validate_midpoints(integrator, settings.basis, self.num_knots, settings.steps, name)
+        return settings
+
+    basis = _setting("basis", "The weight path's basis, by name.")
+    integrator = _setting("integrator", "The integrator: a Tableau or a reversible scheme.")
+    steps = _setting("steps", "Integration steps over t in [0, 1].")
+    backward = _setting("backward", "The backward mode.")
+    checkpoint_every = _setting("checkpoint_every", "backward='checkpoint' keeps every k-th step's state.")
 
     @property
     def draws_random(self) -> bool:
@@ -167,18 +179,22 @@ class StageIR(nn.Module):
         """Every time-dependent tensor, in slot order: the inputs the step graphs take."""
         return [self.slot_tensor(s) for s in self.slots if s.kind != "shared"]
 
+    @property
+    def state_starts(self) -> tuple[Literal["input", "zero"], ...]:
+        """Where each component of the integrator's state starts: (x,) for a tableau, reversible
+        Heun's (y, z) both at x, ALF's (z, v) at (x, 0)."""
+        if isinstance(self.integrator, ReversibleScheme):
+            return tuple(r.start for r in self.integrator.registers)
+        return ("input",)
+
     def initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The integrator's state at t = 0: (x,), or reversible Heun's pair (y, z) = (x, x)."""
-        return (x, x) if isinstance(self.integrator, ReversibleHeun) else (x,)
+        """The integrator's state at t = 0 (see :attr:`state_starts`)."""
+        return tuple(x if start == "input" else torch.zeros_like(x) for start in self.state_starts)
 
     # -- exact time bookkeeping ----------------------------------------------------------------
     def row(self, t: Fraction, left: bool) -> tuple[Fraction, ...]:
         """Basis coefficients over the knots at time ``t`` (left limit when ``left``), exactly."""
-        rows = self.caches().rows
-        if (t, left) not in rows:
-            with CACHE_LOCK:
-                rows[t, left] = tuple(get_basis(self.basis).coefficients(self.num_knots, t, left))
-        return rows[t, left]
+        return _row(self.basis, self.num_knots, t, left)
 
     def field_weights(self, t: Fraction, left: bool) -> tuple[tuple[Fraction, ...], int | None]:
         """What a field evaluation at ``t`` reads besides its input: the knot row, and the per-block
@@ -191,23 +207,26 @@ class StageIR(nn.Module):
 
     def variant_index(self, t: Fraction, left: bool) -> int:
         """The original block whose per-block modules (DropPath rates) serve time ``t``."""
-        return get_basis("constant").coefficients(self.depth, t, left).index(1)
+        return _row("constant", self.depth, t, left).index(1)
 
-    def caches(self) -> StageCaches:
-        """The graphs and rows built for the current template, basis, integrator, steps and knot count.
+    def graph_signature(self) -> tuple:
+        """What a built graph of this stage depends on besides its inputs (emit's cache key).
 
-        The template's code is part of the key, so editing the template after a forward (and
+        The template's code is part of it, so editing the template after a forward (and
         recompiling it, as fx requires) rebuilds the graphs instead of running stale ones.
         """
-        signature = (self.template.code, self.basis, self.integrator, self.steps, self.num_knots)
-        caches = getattr(self, "_caches", None)
-        if caches is None or caches.signature != signature:
-            with CACHE_LOCK:
-                caches = self._caches = StageCaches(signature)
-        return caches
+        settings = self.settings
+        return (
+            self.template.code,
+            settings.basis,
+            settings.integrator,
+            settings.steps,
+            self.num_knots,
+            self._generation,
+        )
 
     def _apply(self, fn, *args, **kwargs):
-        self._caches = None  # cached graphs hold references to modules and buffers that .to() replaces
+        self._generation += 1  # built graphs hold references to modules and buffers that .to() replaces
         return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -218,16 +237,10 @@ class StageIR(nn.Module):
         )
 
 
-@dataclass
-class StageCaches:
-    """What a stage builds for one signature: graphs (by :mod:`odeify.codegen.emit`) and exact basis rows."""
-
-    signature: tuple | None
-    graphs: dict[tuple | str, fx.GraphModule] = field(default_factory=dict)
-    rows: dict[tuple[Fraction, bool], tuple[Fraction, ...]] = field(default_factory=dict)
-
-    def __deepcopy__(self, memo: dict) -> StageCaches:
-        return StageCaches(None)  # a copied stage rebuilds its own (a GraphModule copy loses attributes)
+@lru_cache(maxsize=65536)
+def _row(basis: str, knots: int, t: Fraction, left: bool) -> tuple[Fraction, ...]:
+    """Exact basis coefficients, computed once per (basis, knot count, time, side) in the process."""
+    return tuple(get_basis(basis).coefficients(knots, t, left))
 
 
 def _may_draw_random(module: nn.Module) -> bool:

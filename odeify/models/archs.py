@@ -24,10 +24,10 @@ from timm.models import get_model_args
 from torch import nn
 
 from odeify.core.errors import ModelLoadError, did_you_mean
+from odeify.core.limits import MAX_IN_CHANS, MAX_NUM_CLASSES, MAX_SIDE
 from odeify.models.digits import DIGITS_ARCH, digits_resnet
 
 __all__ = [
-    "DATA_CONFIG_KEYS",
     "HUB_PREFIXES",
     "ODEIFY_ARCHS",
     "ArchSpec",
@@ -43,27 +43,6 @@ __all__ = [
 
 ODEIFY_ARCHS: dict[str, Callable[..., nn.Module]] = {DIGITS_ARCH: digits_resnet}
 HUB_PREFIXES = ("hf-hub:", "hf_hub:", "local-dir:")  # timm names that fetch a config before building
-DATA_CONFIG_KEYS: dict[str, type] = {
-    "tag": str,
-    "input_size": list,
-    "test_input_size": list,
-    "min_input_size": list,
-    "fixed_input_size": bool,
-    "interpolation": str,
-    "crop_pct": float,
-    "test_crop_pct": float,
-    "crop_mode": str,
-    "mean": list,
-    "std": list,
-    "num_classes": int,
-    "first_conv": str,
-    "classifier": str,
-    "pool_size": list,
-    "license": str,
-}
-"""The pretrained_cfg entries a file may carry (what timm.data and timm's heads read), with their JSON
-types: read from checkpoint folders' configs and kept in saved converted models."""
-
 ArchSpec = tuple[str, dict[str, Any]]
 """``(name, kwargs)``: what rebuilds an architecture, as JSON-able data."""
 
@@ -190,8 +169,8 @@ def _one_of(*options: object) -> Callable[[object], bool]:
 
 
 def _size(v: object) -> bool:
-    pair = isinstance(v, (list, tuple)) and len(v) == 2 and all(_int(1, 4096)(x) for x in v)
-    return pair or _int(1, 4096)(v)
+    pair = isinstance(v, (list, tuple)) and len(v) == 2 and all(_int(1, MAX_SIDE)(x) for x in v)
+    return pair or _int(1, MAX_SIDE)(v)
 
 
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -202,8 +181,8 @@ def _layer_name(v: object) -> bool:  # timm resolves these through its own name 
 
 
 _FILE_KWARGS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "num_classes": (_int(0, 100_000), "an integer in [0, 100000]"),
-    "in_chans": (_int(1, 64), "an integer in [1, 64]"),
+    "num_classes": (_int(0, MAX_NUM_CLASSES), f"an integer in [0, {MAX_NUM_CLASSES}]"),
+    "in_chans": (_int(1, MAX_IN_CHANS), f"an integer in [1, {MAX_IN_CHANS}]"),
     "global_pool": (
         _one_of("", "avg", "max", "avgmax", "catavgmax", "fast", "fastavg", "fastmax", "token", "map"),
         "a timm pooling name such as 'avg'",
@@ -221,7 +200,7 @@ _FILE_KWARGS: dict[str, tuple[Callable[[object], bool], str]] = {
     "dims": (_ints(8, 1, 4096, 16384), "at most 8 widths in [1, 4096]"),
     "stem_width": (_int(1, 1024), "an integer in [1, 1024]"),
     "stem_type": (_one_of("", "deep", "deep_tiered", "tiered", "patch", "overlap"), "a timm stem type"),
-    "img_size": (_size, "an integer or [H, W] in [1, 4096]"),
+    "img_size": (_size, f"an integer or [H, W] in [1, {MAX_SIDE}]"),
     "cardinality": (_int(1, 1024), "an integer in [1, 1024]"),
     "base_width": (_int(1, 1024), "an integer in [1, 1024]"),
     "avg_down": (_one_of(True, False), "true or false"),

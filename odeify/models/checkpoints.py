@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import pickle
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,20 +31,21 @@ from typing import Any
 
 import safetensors.torch
 import torch
-from safetensors import safe_open
 from timm.models import clean_state_dict
 from torch import Tensor, nn
 
 from odeify.core.errors import ModelLoadError, OdeifyError
-from odeify.core.fileio import atomic_write_bytes
+from odeify.core.fileio import atomic_write_bytes, read_header, read_json, read_tensors
+from odeify.core.limits import MAX_CONFIG_BYTES
+from odeify.core.paths import input_file
 from odeify.models.archs import (
-    DATA_CONFIG_KEYS,
     HUB_PREFIXES,
     check_arch_name,
     check_file_kwargs,
     is_arch_name,
     unknown_name_error,
 )
+from odeify.models.data_config import DATA_CONFIG_KEYS, check_data_config
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -69,7 +69,6 @@ TORCH_SUFFIXES = (".pth.tar", ".pth", ".pt", ".bin")
 CHECKPOINT_SUFFIXES = SAFETENSORS_SUFFIXES + TORCH_SUFFIXES
 HF_CONFIG = "config.json"
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # timm's save_for_hf names, preferred first
-MAX_CONFIG_BYTES = 1 << 20
 
 SAFE_GLOBALS: list[type] = [argparse.Namespace]
 """The classes besides tensors and plain containers that torch files may hold: what timm's train.py saves."""
@@ -94,32 +93,16 @@ class Checkpoint:
 
 def describe_path(path: Path) -> str:
     """``"file"``, or ``"folder"`` (a Hugging Face-style timm folder); else an error saying what it is."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise ModelLoadError(f"checkpoint not found: {path} (resolved: {path.resolve()})") from None
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from exc
-    if stat.S_ISREG(mode):
+    path = input_file(path, "checkpoint", error=ModelLoadError, folders=True, example="weights.pth")
+    if path.is_file():
         return "file"
-    if stat.S_ISDIR(mode):
-        if (path / HF_CONFIG).is_file():
-            return "folder"
-        raise ModelLoadError(
-            f"{path} is a directory, not a checkpoint file; odeify reads a directory only as a Hugging "
-            f"Face-style timm folder ({HF_CONFIG} + {HF_WEIGHTS[0]}, as timm.models.save_for_hf writes), "
-            f"and this one has no {HF_CONFIG}. Pass the weights file inside it instead."
-        )
-    what = (
-        "a named pipe (FIFO)"
-        if stat.S_ISFIFO(mode)
-        else "a socket"
-        if stat.S_ISSOCK(mode)
-        else "a device"
-        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-        else "not a regular file"
+    if (path / HF_CONFIG).is_file():
+        return "folder"
+    raise ModelLoadError(
+        f"{path} is a directory, not a checkpoint file; odeify reads a directory only as a Hugging "
+        f"Face-style timm folder ({HF_CONFIG} + {HF_WEIGHTS[0]}, as timm.models.save_for_hf writes), "
+        f"and this one has no {HF_CONFIG}. Pass the weights file inside it instead."
     )
-    raise ModelLoadError(f"{path} is {what}, not a checkpoint file: pass a regular file or a model folder")
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, ema: bool = False) -> Checkpoint:
@@ -153,34 +136,46 @@ def read_checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     describe_path(path)
     if _suffix(path) not in SAFETENSORS_SUFFIXES:
         return {}
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            return dict(fh.metadata() or {})
-    except Exception as exc:  # safetensors raises its own error types for malformed files
-        raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+    return read_header(path, ModelLoadError, "a readable safetensors file").metadata
 
 
 def _read_safetensors(path: Path) -> Checkpoint:
     meta = read_checkpoint_metadata(path)
-    try:
-        state = safetensors.torch.load_file(str(path), device="cpu")
-    except Exception as exc:
-        raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+    state = read_tensors(path, ModelLoadError, "a readable safetensors file")
     arch, kwargs = None, {}
     if META_ARCH in meta:
         arch = check_arch_name(meta[META_ARCH], f"{path} ({META_ARCH})")
         recorded = _json(meta.get(META_KWARGS, "{}"), path, META_KWARGS)
         kwargs = check_file_kwargs(recorded, f"{path} ({META_KWARGS})")
+    _check_tensors(state, path)
     return Checkpoint(path, "safetensors file", clean_state_dict(state), arch, kwargs, metadata=meta)
 
 
 def _json(text: str, path: Path, what: str) -> Any:
-    if len(text) > MAX_CONFIG_BYTES:
-        raise ModelLoadError(f"{path}: {what} is larger than {MAX_CONFIG_BYTES} bytes; not a model config")
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ModelLoadError(f"{path}: {what} is not valid JSON: {exc}") from exc
+    return read_json(text, str(path), ModelLoadError, MAX_CONFIG_BYTES, what)
+
+
+def _check_tensors(state: Mapping[str, object], path: Path) -> None:
+    """Every entry is a dense tensor of real numbers on a real device (not meta, sparse or quantized)."""
+    for key, value in state.items():
+        if not isinstance(value, Tensor):
+            continue  # _from_torch_object names entries that are not tensors
+        why = (
+            "a meta tensor (no values)"
+            if value.is_meta
+            else f"a {value.layout} tensor"
+            if value.layout != torch.strided
+            else "a quantized tensor"
+            if value.is_quantized
+            else f"a {value.dtype} tensor"
+            if value.is_complex()
+            else None
+        )
+        if why is not None:
+            raise ModelLoadError(
+                f"{path}: {key} is {why}; odeify loads dense tensors of real numbers. Re-save the weights "
+                "from a model in its plain form: torch.save(model.state_dict(), path)."
+            )
 
 
 def _torch_load(path: Path) -> object:
@@ -226,6 +221,7 @@ def _from_torch_object(obj: object, path: Path, ema: bool) -> Checkpoint:
             f"{path} is not a state dict: entries {bad[:5]} are not name -> tensor pairs; expected a plain "
             f"state dict or a training checkpoint with a 'state_dict' entry"
         )
+    _check_tensors(state, path)
     arch, kwargs, kind = None, {}, "state dict"
     if state_key is not None:
         kind = "timm training checkpoint"
@@ -233,13 +229,19 @@ def _from_torch_object(obj: object, path: Path, ema: bool) -> Checkpoint:
         if isinstance(named, str) and is_arch_name(named) and not named.startswith(HUB_PREFIXES):
             arch = named  # train.py writes args.model; without args, the class name (not buildable)
         if isinstance(obj.get("args"), argparse.Namespace):
-            kwargs = check_file_kwargs(_train_args_kwargs(obj["args"]), f"{path} ('args')")
+            kwargs = check_file_kwargs(_train_args_kwargs(obj["args"], path), f"{path} ('args')")
     return Checkpoint(path, kind, clean_state_dict(dict(state)), arch, kwargs, ema=ema)
 
 
-def _train_args_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def _train_args_kwargs(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The architecture kwargs timm's train.py passes to create_model, from its saved ``args``."""
-    found = dict(getattr(args, "model_kwargs", None) or {})
+    recorded = getattr(args, "model_kwargs", None) or {}
+    if not isinstance(recorded, Mapping):
+        raise ModelLoadError(
+            f"{path}: args.model_kwargs must be a dict of build kwargs (as timm's train.py records it), not "
+            f"{type(recorded).__name__} {recorded!r:.60}"
+        )
+    found = dict(recorded)
     if isinstance(getattr(args, "num_classes", None), int):
         found["num_classes"] = args.num_classes
     in_chans = getattr(args, "in_chans", None)
@@ -255,7 +257,7 @@ def _train_args_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _read_hf_folder(path: Path) -> Checkpoint:
     """A timm ``save_for_hf`` folder: config.json (architecture, model_args, pretrained_cfg) + weights."""
-    config_path = path / HF_CONFIG
+    config_path = input_file(path / HF_CONFIG, "model config", error=ModelLoadError)
     if config_path.stat().st_size > MAX_CONFIG_BYTES:
         raise ModelLoadError(f"{config_path} is over {MAX_CONFIG_BYTES} bytes; not a timm model config")
     config = _json(config_path.read_text(encoding="utf-8", errors="replace"), config_path, "config")
@@ -280,20 +282,17 @@ def _read_hf_folder(path: Path) -> Checkpoint:
         if weights.suffix == ".safetensors"
         else _from_torch_object(_torch_load(weights), weights, False)
     )
-    cfg = _data_config(data_cfg) if isinstance(data_cfg, Mapping) else {}
+    cfg = _data_config(data_cfg, config_path)
     return Checkpoint(path, "Hugging Face-style folder", inner.state_dict, arch, kwargs, cfg)
 
 
-def _data_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The data-config entries of a folder's pretrained_cfg (short values of the expected types)."""
-    out: dict[str, Any] = {}
-    for key, kind in DATA_CONFIG_KEYS.items():
-        value = cfg.get(key)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, kind) and len(json.dumps(value)) <= 200:
-            out[key] = tuple(value) if kind is list else value
-    return out
+def _data_config(cfg: object, where: Path) -> dict[str, Any]:
+    """The data-config entries of a folder's pretrained_cfg (timm's other entries, such as its url, are
+    not read); each value checked (:func:`odeify.models.data_config.check_data_config`)."""
+    if not isinstance(cfg, Mapping):
+        raise ModelLoadError(f"{where}: 'pretrained_cfg' must be a JSON object, not {type(cfg).__name__}")
+    kept = {k: v for k, v in cfg.items() if k in DATA_CONFIG_KEYS and k != "architecture" and v is not None}
+    return check_data_config(kept, f"{where} ('pretrained_cfg')")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -332,6 +331,16 @@ def apply_state_dict(model: nn.Module, ckpt: Checkpoint, arch: str, fix: str) ->
         said = f" The file says it holds {ckpt.arch!r} with {ckpt.arch_kwargs}." if ckpt.arch else ""
         raise ModelLoadError(
             f"the {ckpt.kind} {ckpt.path} does not fit {arch!r}: {'; '.join(parts)}.{said} Fix: {fix}"
+        )
+    numbers = [
+        f"{k} ({state[k].dtype})" for k in own if k in state and own[k].is_floating_point()
+        and not state[k].is_floating_point()
+    ]  # fmt: skip
+    if numbers:
+        raise ModelLoadError(
+            f"the {ckpt.kind} {ckpt.path} holds non-floating tensors where {arch!r} has floating-point "
+            f"weights: {_fmt_keys(numbers, 3)}; casting them would turn them into 0/1 or whole numbers. "
+            f"Fix: {fix}"
         )
     floats = {t.dtype for t in state.values() if t.is_floating_point()}
     if floats == {torch.float64}:

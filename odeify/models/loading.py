@@ -23,11 +23,13 @@ import timm
 from timm.models import get_pretrained_cfg, is_model_pretrained
 from torch import Tensor, nn
 
+from odeify.core.budget import check_model_bytes
 from odeify.core.errors import ModelLoadError
 from odeify.models.archs import (
     HUB_PREFIXES,
     ODEIFY_ARCHS,
     build_arch,
+    check_file_kwargs,
     default_cfg,
     guess_arch,
     is_arch_name,
@@ -144,14 +146,14 @@ def _name_source(name: str, checkpoint: object, ema: bool, pretrained: bool, kwa
             raise ModelLoadError(
                 "ema=True picks the EMA weights of a checkpoint; pass checkpoint= too (CLI: --checkpoint)"
             )
-        return _pretrained(name, kwargs) if pretrained else build_arch(name, kwargs)
+        return _pretrained(name, kwargs) if pretrained else _build(name, kwargs)
     ckpt = read_checkpoint(_path(checkpoint), ema=ema)
     if ckpt.arch is not None and ckpt.arch.split(".")[0] != name.split(".")[0]:
         warnings.warn(
             f"{ckpt.path} says it holds {ckpt.arch!r}; building {name!r} as asked", UserWarning, stacklevel=3
         )
     kwargs = _head_kwargs(name, ckpt, {**(ckpt.arch_kwargs if ckpt.arch == name else {}), **kwargs})
-    return _into(build_arch(name, kwargs), ckpt, name, kwargs)
+    return _into(_build(name, kwargs), ckpt, name, kwargs)
 
 
 def _file_source(path: Path, arch: str | None, ema: bool, kwargs: dict) -> nn.Module:
@@ -172,11 +174,23 @@ def _file_source(path: Path, arch: str | None, ema: bool, kwargs: dict) -> nn.Mo
         )
     recorded = ckpt.arch_kwargs if ckpt.arch == name else {}
     kwargs = _head_kwargs(name, ckpt, {**recorded, **kwargs})
-    model = _into(build_arch(name, kwargs), ckpt, name, kwargs)
+    model = _into(_build(name, kwargs), ckpt, name, kwargs)
     if ckpt.data_cfg and isinstance(getattr(model, "pretrained_cfg", None), Mapping):
         model.pretrained_cfg = {**model.pretrained_cfg, **ckpt.data_cfg}  # the folder's input size, mean/std
         model.default_cfg = model.pretrained_cfg
     return model
+
+
+def _build(name: str, kwargs: Mapping[str, Any]) -> nn.Module:
+    """``build_arch(name, kwargs)`` once its size, measured on the meta device, is within the budget."""
+    check_model_bytes(f"{name!r} with {dict(kwargs)}", _meta_bytes(name, kwargs))
+    return build_arch(name, kwargs)
+
+
+def _meta_bytes(name: str, kwargs: Mapping[str, Any]) -> int:
+    """Bytes of the parameters and buffers ``name`` built with ``kwargs`` would hold (built on meta)."""
+    state = build_arch(name, kwargs, device="meta").state_dict()
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def _into(model: nn.Module, ckpt: Checkpoint, name: str, kwargs: Mapping[str, Any]) -> nn.Module:
@@ -208,6 +222,8 @@ def _head_kwargs(name: str, ckpt: Checkpoint, kwargs: dict[str, Any]) -> dict[st
         if isinstance(stem, Tensor) and stem.ndim == 4 and stem.shape[1] != default_chans:
             kwargs["in_chans"] = int(stem.shape[1])
             inferred.append(f"in_chans={stem.shape[1]} (from {cfg['first_conv']}.weight {tuple(stem.shape)})")
+    read = {k: kwargs[k] for k in ("num_classes", "in_chans") if any(i.startswith(k) for i in inferred)}
+    check_file_kwargs(read, f"{ckpt.path} (read from its tensor shapes)")  # a file's sizes: a file's bounds
     if inferred:
         warnings.warn(
             f"{ckpt.path}: building {name!r} with {', '.join(inferred)}; pass num_classes=/in_chans= "
@@ -256,6 +272,8 @@ def _pretrained(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
 
 def _timm_pretrained(name: str, kwargs: dict[str, Any], overlay: dict[str, str] | None) -> nn.Module:
+    if not name.startswith(HUB_PREFIXES):  # a hub name's architecture is known only from the hub
+        check_model_bytes(f"{name!r} with {dict(kwargs)}", _meta_bytes(name, kwargs))
     try:
         return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
     except TypeError as exc:

@@ -1,9 +1,9 @@
 """Integrators as data: explicit Runge-Kutta Butcher tableaus with exact coefficients.
 
-Step code reads a `Tableau` (or the `ReversibleHeun` marker) instead of hard-coding each method, so a
-user tableau runs through the same path as the built-ins. Coefficients are `fractions.Fraction` so the
-stage times c_i are exact and the step code can decide exactly when a stage sits on a step's end
-(docs/design.md, "Stage times at a step's end").
+Step code reads a `Tableau` (or a reversible scheme, :mod:`odeify.numerics.schemes`) instead of
+hard-coding each method, so a user tableau runs through the same path as the built-ins.
+Coefficients are `fractions.Fraction` so the stage times c_i are exact and the step code can decide
+exactly when a stage sits on a step's end (docs/design.md, "Stage times at a step's end").
 """
 
 from __future__ import annotations
@@ -15,15 +15,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
-from typing import ClassVar
 
 from odeify.core.errors import ConfigError
+from odeify.core.limits import MAX_NAME
+from odeify.numerics.schemes import AsyncLeapfrog, ReversibleHeun, ReversibleScheme
 
 __all__ = [
     "KNOWN_INTEGRATORS",
+    "REVERSIBLE_SCHEMES",
     "TABLEAUS",
+    "AsyncLeapfrog",
     "Integrator",
     "ReversibleHeun",
+    "ReversibleScheme",
     "Tableau",
     "resolve_integrator",
     "to_fraction",
@@ -141,6 +145,9 @@ def _first_failed_condition(
 # --- tableaus ------------------------------------------------------------------------------------------
 
 
+_TABLEAU_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 @dataclass(frozen=True)
 class Tableau:
     """An explicit Runge-Kutta method: stage matrix a (strictly lower triangular), weights b, nodes c.
@@ -161,7 +168,7 @@ class Tableau:
 
     @property
     def evals_per_step(self) -> int:
-        """Field evaluations per step; same attribute as on ReversibleHeun so callers need not dispatch."""
+        """Field evaluations per step; the reversible schemes have it too, so callers need not dispatch."""
         return len(self.b)
 
     @classmethod
@@ -179,98 +186,119 @@ class Tableau:
         The declared `order` is checked against the Runge-Kutta order conditions, so a tableau cannot
         claim more accuracy than it has.
         """
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"tableau name must be a non-empty string, got {name!r}.")
-        label = f"tableau {name!r}"
-        if isinstance(b, (str, bytes)) or not isinstance(b, Sequence) or len(b) == 0:
-            raise ConfigError(f"{label}: b must be a non-empty sequence of weights, got {b!r}.")
-        s = len(b)
-        bf = tuple(to_fraction(v, f"{label}: b[{i}]") for i, v in enumerate(b))
-
-        if isinstance(a, (str, bytes)) or not isinstance(a, Sequence) or len(a) != s:
-            got = len(a) if isinstance(a, Sequence) else type(a).__name__
-            raise ConfigError(
-                f"{label}: a must have one row per stage, i.e. {s} rows to match len(b) = {s}; got {got}. "
-                "Pass the full square matrix, zeros included."
-            )
-        rows: list[tuple[Fraction, ...]] = []
-        for i, row in enumerate(a):
-            if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != s:
-                got = len(row) if isinstance(row, Sequence) else type(row).__name__
-                raise ConfigError(
-                    f"{label}: a must be square {s} x {s} (s = len(b)); row {i} has {got} entries. "
-                    "Pass the full matrix, writing 0 on and above the diagonal."
-                )
-            rows.append(tuple(to_fraction(v, f"{label}: a[{i}][{j}]") for j, v in enumerate(row)))
-        af = tuple(rows)
-        for i in range(s):
-            for j in range(i, s):
-                if af[i][j] != 0:
-                    raise ConfigError(
-                        f"{label}: odeify supports explicit Runge-Kutta tableaus; entry a[{i}][{j}] with "
-                        f"j >= i is nonzero ({af[i][j]}). Make a strictly lower triangular."
-                    )
-
-        row_sums = tuple(sum(row, _ZERO) for row in af)
-        if c is None:
-            cf = row_sums
-        else:
-            if isinstance(c, (str, bytes)) or not isinstance(c, Sequence) or len(c) != s:
-                got = len(c) if isinstance(c, Sequence) else type(c).__name__
-                raise ConfigError(f"{label}: c must have {s} entries to match len(b); got {got}.")
-            cf = tuple(to_fraction(v, f"{label}: c[{i}]") for i, v in enumerate(c))
-            for i in range(s):
-                if cf[i] != row_sums[i]:
-                    raise ConfigError(
-                        f"{label}: c[{i}] = {cf[i]} but row {i} of a sums to {row_sums[i]}; odeify needs "
-                        f"c = row sums of a (consistent stages). Pass c=None to use {_show(row_sums)}."
-                    )
-        for i, ci in enumerate(cf):
-            if not 0 <= ci <= 1:
-                raise ConfigError(
-                    f"{label}: c[{i}] = {ci} lies outside [0, 1]; every stage must sit inside its step."
-                )
-        total = sum(bf, _ZERO)
-        if total != 1:
-            raise ConfigError(
-                f"{label}: the weights b sum to {total}, not 1. Fix b, writing thirds etc. exactly "
-                "('1/3', not 0.333)."
-            )
-
-        if isinstance(order, bool) or not isinstance(order, int) or order < 1:
-            raise ConfigError(f"{label}: order must be an int >= 1, got {order!r}.")
-        if order > s:
-            raise ConfigError(
-                f"{label}: an explicit method with {s} stage(s) has order at most {s}; got order={order}."
-            )
-        failed = _first_failed_condition(af, bf, order)
-        if failed is not None:
-            p, _tree = failed
-            raise ConfigError(
-                f"{label}: declared order {order} but the order-{p} conditions do not hold, so the method "
-                f"has order {p - 1}. Pass order={p - 1} or fix the coefficients."
-            )
+        label = f"tableau {_checked_name(name)!r}"
+        bf = _weights(b, label)
+        af = _strictly_lower(a, len(bf), label)
+        cf = _nodes(c, af, label)
+        _check_order(af, bf, order, label)
         return cls(name=name, a=af, b=bf, c=cf, order=order)
+
+
+def _checked_name(name: object) -> str:
+    """A tableau's name is printed in listings and saved in recipes: a Python name, as load requires."""
+    if not isinstance(name, str) or len(name) > MAX_NAME or not _TABLEAU_NAME.fullmatch(name):
+        raise ConfigError(
+            f"a tableau name is a Python name of 1 to {MAX_NAME} characters like 'rk4' or 'my_rk3', "
+            f"got {name!r:.80}."
+        )
+    return name
+
+
+def _is_sequence(value: object, length: int | None = None) -> bool:
+    ok = not isinstance(value, (str, bytes)) and isinstance(value, Sequence)
+    return ok and (length is None or len(value) == length)  # type: ignore[arg-type]
+
+
+def _got(value: object) -> object:
+    return len(value) if isinstance(value, Sequence) else type(value).__name__
+
+
+def _weights(b: object, label: str) -> tuple[Fraction, ...]:
+    """b as exact Fractions; they must sum to 1."""
+    if not _is_sequence(b) or len(b) == 0:  # type: ignore[arg-type]
+        raise ConfigError(f"{label}: b must be a non-empty sequence of weights, got {b!r}.")
+    bf = tuple(to_fraction(v, f"{label}: b[{i}]") for i, v in enumerate(b))  # type: ignore[arg-type]
+    total = sum(bf, _ZERO)
+    if total != 1:
+        raise ConfigError(
+            f"{label}: the weights b sum to {total}, not 1. Fix b, writing thirds etc. exactly "
+            "('1/3', not 0.333)."
+        )
+    return bf
+
+
+def _strictly_lower(a: object, s: int, label: str) -> tuple[tuple[Fraction, ...], ...]:
+    """a as an s x s matrix of Fractions, zero on and above the diagonal (an explicit method)."""
+    if not _is_sequence(a, s):
+        raise ConfigError(
+            f"{label}: a must have one row per stage, i.e. {s} rows to match len(b) = {s}; got {_got(a)}. "
+            "Pass the full square matrix, zeros included."
+        )
+    rows: list[tuple[Fraction, ...]] = []
+    for i, row in enumerate(a):  # type: ignore[arg-type]
+        if not _is_sequence(row, s):
+            raise ConfigError(
+                f"{label}: a must be square {s} x {s} (s = len(b)); row {i} has {_got(row)} entries. "
+                "Pass the full matrix, writing 0 on and above the diagonal."
+            )
+        rows.append(tuple(to_fraction(v, f"{label}: a[{i}][{j}]") for j, v in enumerate(row)))
+    for i in range(s):
+        for j in range(i, s):
+            if rows[i][j] != 0:
+                raise ConfigError(
+                    f"{label}: odeify supports explicit Runge-Kutta tableaus; entry a[{i}][{j}] with "
+                    f"j >= i is nonzero ({rows[i][j]}). Make a strictly lower triangular."
+                )
+    return tuple(rows)
+
+
+def _nodes(c: object, af: tuple[tuple[Fraction, ...], ...], label: str) -> tuple[Fraction, ...]:
+    """c, the row sums of a unless given (then it must equal them), each inside its step."""
+    row_sums = tuple(sum(row, _ZERO) for row in af)
+    cf = row_sums
+    if c is not None:
+        if not _is_sequence(c, len(af)):
+            raise ConfigError(f"{label}: c must have {len(af)} entries to match len(b); got {_got(c)}.")
+        cf = tuple(to_fraction(v, f"{label}: c[{i}]") for i, v in enumerate(c))  # type: ignore[arg-type]
+        for i in range(len(af)):
+            if cf[i] != row_sums[i]:
+                raise ConfigError(
+                    f"{label}: c[{i}] = {cf[i]} but row {i} of a sums to {row_sums[i]}; odeify needs "
+                    f"c = row sums of a (consistent stages). Pass c=None to use {_show(row_sums)}."
+                )
+    for i, ci in enumerate(cf):
+        if not 0 <= ci <= 1:
+            raise ConfigError(
+                f"{label}: c[{i}] = {ci} lies outside [0, 1]; every stage must sit inside its step."
+            )
+    return cf
+
+
+def _check_order(
+    af: tuple[tuple[Fraction, ...], ...], bf: tuple[Fraction, ...], order: object, label: str
+) -> None:
+    """The declared order is checked against the order conditions: no claim of more accuracy than it has."""
+    s = len(bf)
+    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+        raise ConfigError(f"{label}: order must be an int >= 1, got {order!r}.")
+    if order > s:
+        raise ConfigError(
+            f"{label}: an explicit method with {s} stage(s) has order at most {s}; got order={order}."
+        )
+    failed = _first_failed_condition(af, bf, order)
+    if failed is not None:
+        p, _tree = failed
+        raise ConfigError(
+            f"{label}: declared order {order} but the order-{p} conditions do not hold, so the method "
+            f"has order {p - 1}. Pass order={p - 1} or fix the coefficients."
+        )
 
 
 def _show(values: Sequence[Fraction]) -> str:
     return "[" + ", ".join(str(v) for v in values) + "]"
 
 
-@dataclass(frozen=True)
-class ReversibleHeun:
-    """Marker for the algebraically reversible Heun method (Kidger et al. 2021).
-
-    Not a Butcher tableau: its state is a pair (y, z) and it inverts in closed form, so the step code
-    dispatches on this type. Two field evaluations per step when the last one is not reused.
-    """
-
-    name: ClassVar[str] = "reversible_heun"
-    order: ClassVar[int] = 2
-    evals_per_step: ClassVar[int] = 2
-
-
-Integrator = Tableau | ReversibleHeun
+Integrator = Tableau | ReversibleHeun | AsyncLeapfrog
 
 _h = "1/2"
 TABLEAUS: dict[str, Tableau] = {
@@ -298,20 +326,23 @@ TABLEAUS: dict[str, Tableau] = {
 }
 del _h
 
-KNOWN_INTEGRATORS: tuple[str, ...] = tuple(sorted([*TABLEAUS, ReversibleHeun.name]))
+REVERSIBLE_SCHEMES: dict[str, ReversibleScheme] = {s.name: s for s in (ReversibleHeun(), AsyncLeapfrog())}
+"""The built-in reversible integrators by name (``backward='reversible'`` runs any of them)."""
+
+KNOWN_INTEGRATORS: tuple[str, ...] = tuple(sorted([*TABLEAUS, *REVERSIBLE_SCHEMES]))
 
 
-def resolve_integrator(spec: str | Tableau | ReversibleHeun) -> Integrator:
-    """Turn an integrator name or object into a Tableau or ReversibleHeun; ConfigError if unknown.
+def resolve_integrator(spec: str | Integrator) -> Integrator:
+    """Turn an integrator name or object into a Tableau or a reversible scheme; ConfigError if unknown.
 
     Names are case-insensitive and '-' counts as '_' ("RK4-38" -> rk4_38).
     """
-    if isinstance(spec, (Tableau, ReversibleHeun)):
+    if isinstance(spec, (Tableau, ReversibleScheme)):
         return spec
     if isinstance(spec, str):
         key = spec.strip().lower().replace("-", "_")
-        if key == ReversibleHeun.name:
-            return ReversibleHeun()
+        if key in REVERSIBLE_SCHEMES:
+            return REVERSIBLE_SCHEMES[key]
         if key in TABLEAUS:
             return TABLEAUS[key]
         raise ConfigError(

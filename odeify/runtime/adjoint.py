@@ -1,14 +1,8 @@
-"""Memory-saving backward passes for ODE stages (docs/backward-modes.md).
+"""``backward='checkpoint'`` and ``backward='reverse'``: re-run each step of an explicit integrator.
 
-:func:`integrate_with_adjoint` runs a stage under ``no_grad`` inside one
-``torch.autograd.Function`` whose inputs are the stage input and the stage's parameters (the
-knots), so gradients reach the knots as ordinary leaf gradients: optimizers, gradient clipping,
-loss scaling and DistributedDataParallel's hooks work unchanged.
-
-``backward='reversible'`` (reversible Heun, inverted bit-exactly on a fixed-point lattice) lives
-in :mod:`odeify.runtime.reversible`. The other two modes share :class:`_StageAdjoint`: backward walks the
-steps from last to first; at each it obtains the step's start state, re-runs the step with grad
-and takes its vector-Jacobian product. They differ only in how they obtain that state:
+Both walk the steps from last to first; at each they obtain the step's start state, re-run the
+step with grad and take its vector-Jacobian product. They differ only in how they obtain that
+state:
 
 - ``checkpoint``: from states saved in forward (every ``stage.checkpoint_every``-th step, the
   ones between recomputed). Exact.
@@ -19,13 +13,12 @@ and takes its vector-Jacobian product. They differ only in how they obtain that 
   from the saved input, with checkpointing, so a backward pass is either within tolerance at
   every step or exact.
 
-Re-runs see the forward's autocast state, take only the knots their step reads
-(:mod:`odeify.runtime.rerun`), and replay the forward's random draws
-(:mod:`odeify.runtime.rng_tape`); a stage's trainable parameters outside its knots (a user's
-template module) get their gradients too. The approximate reverse step replays the draws whose names
-it shares with the forward step (all of them for Euler off native depth); its reconstruction check
-measures any mismatch. The global RNG stream is restored after backward
-(:class:`odeify.runtime.rerun.ForwardContext`).
+Their autograd Functions share the prologue of :class:`odeify.runtime.rerun.StageFunction`;
+re-runs see the forward's autocast state, take only the knots their step reads and replay the
+forward's random draws (:mod:`odeify.runtime.rng_tape`). The approximate reverse step replays the
+draws whose names it shares with the forward step (all of them for Euler off native depth); its
+reconstruction check measures any mismatch. ``reversible`` lives in
+:mod:`odeify.runtime.reversible`; the table of modes in :mod:`odeify.runtime.stage`.
 
 Why not ``torch.utils.checkpoint``'s RNG handling: it saves one RNG state per checkpointed call
 and replays the call whole and in order. The passes here re-run single steps from rebuilt states
@@ -38,22 +31,23 @@ between stages, which are recomputed whole, do use ``torch.utils.checkpoint``
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from odeify.codegen.emit import step_graph
-from odeify.core.errors import ConfigError, FallbackWarning
-from odeify.ir.stage_ir import StageIR
-from odeify.runtime.rerun import ForwardContext, ParamGrads, knot_window_inputs
-from odeify.runtime.reversible import integrate_reversible
+from odeify.runtime.rerun import (
+    Backward,
+    ForwardContext,
+    StageCall,
+    StageFunction,
+    knot_window_inputs,
+    warn_fallback,
+)
 
-__all__ = ["RECONSTRUCTION_TOLERANCE", "integrate_with_adjoint"]
+__all__ = ["RECONSTRUCTION_TOLERANCE", "CheckpointAdjoint", "ReverseAdjoint"]
 
 RECONSTRUCTION_TOLERANCE = 1e-3
 """Largest relative one-step reconstruction error ``||step(rebuilt x_n) - x_{n+1}|| / ||x_{n+1}||``
@@ -61,88 +55,60 @@ that ``backward='reverse'`` accepts before falling back to checkpointing. A stag
 with a ``reverse_tolerance`` attribute. 1e-3 keeps the gradient error at a few percent on smooth
 stages (benchmarks/gradient_error.py) and far above fp32 round-off."""
 
-MEMORY_FREE_MODES = ("checkpoint", "reverse", "reversible")
-
 State = tuple[Tensor, ...]
 
 
-# A deliberate graph break under torch.compile: the Functions below run Python loops over cached
-# step graphs, record random draws and call autograd in backward, none of which dynamo can trace;
-# the rest of a compiled model (the segments between stages) still compiles.
-@torch.compiler.disable
-def integrate_with_adjoint(stage: StageIR, x: Tensor) -> Tensor:
-    """Run ``stage`` on ``x`` with the memory-saving backward named by ``stage.backward``."""
-    if stage.backward not in MEMORY_FREE_MODES:
-        raise ConfigError(
-            f"stage '{stage.stage_name}' has backward={stage.backward!r}; the adjoint runs only "
-            f"{', '.join(MEMORY_FREE_MODES)} (backprop goes through the unrolled graph)."
-        )
-    _check_batchnorm(stage)
-    knots = stage.knot_tensors()
-    extras = [p for p in stage.parameters() if p.requires_grad and not any(p is k for k in knots)]
-    if not (x.requires_grad or any(t.requires_grad for t in (*knots, *extras))):
-        with torch.no_grad():
-            return stage(x)
-    if stage.backward == "reversible":
-        return integrate_reversible(stage, x, knots, extras)
-    return _StageAdjoint.apply(stage, len(knots), x, *knots, *extras)
+def _run_forward(call: StageCall, x: Tensor, knots: Sequence[Tensor], keep_every: int = 0) -> tuple:
+    """All steps from x under no_grad, recording random draws: (final state, context, the state at
+    every ``keep_every``-th step, flattened; none when 0)."""
+    stage = call.stage
+    context = ForwardContext.capture(x)
+    state = stage.initial_state(x)
+    saved: list[Tensor] = []
+    for n in range(stage.steps):
+        if keep_every and n % keep_every == 0:
+            saved.extend(state)
+        graph = step_graph(stage, n)
+        state = context.record(n, graph, (*state, *knot_window_inputs(graph, knots)))
+    return state, context, saved
 
 
-def _check_batchnorm(stage: StageIR) -> None:
-    """Refuse train-mode BatchNorm: a re-run would update running stats twice, on other batch stats."""
-    for name, module in stage.named_modules():
-        if isinstance(module, _BatchNorm) and module.training:
-            raise ConfigError(
-                f"stage '{stage.stage_name}' holds BatchNorm '{name}' in training mode, but "
-                f"backward={stage.backward!r} re-runs steps in backward, which would update its running "
-                "statistics a second time (and a reconstructed state has other batch statistics). "
-                "Fold it into the conv before it (odeify.convert does) or freeze it with .eval()."
-            )
-
-
-class _StageAdjoint(torch.autograd.Function):
-    """Inputs: the stage, how many knot tensors follow x, x, the knots, other trainable parameters."""
+class CheckpointAdjoint(StageFunction):
+    """``checkpoint``: keeps every ``checkpoint_every``-th step's state; exact."""
 
     @staticmethod
-    def forward(ctx: Any, stage: StageIR, num_knots: int, x: Tensor, *params: Tensor) -> Tensor:
-        mode, every = stage.backward, stage.checkpoint_every
-        context = ForwardContext.capture(x)
-        knots = list(params[:num_knots])
-        state = stage.initial_state(x)
-        saved: list[Tensor] = []
-        for n in range(stage.steps):
-            if mode == "checkpoint" and n % every == 0:
-                saved.extend(state)
-            graph = step_graph(stage, n)
-            state = context.record(n, graph, (*state, *knot_window_inputs(graph, knots)))
-        if mode == "reverse":
-            saved = [x, *state]
-        ctx.stage, ctx.mode, ctx.every, ctx.context, ctx.num_knots = stage, mode, every, context, num_knots
-        ctx.save_for_backward(*params, *saved)
+    def forward(ctx: Any, call: StageCall, x: Tensor, *params: Tensor) -> Tensor:
+        every = call.stage.checkpoint_every
+        state, context, saved = _run_forward(call, x, params[: call.num_knots], every)
+
+        def backward(work: Backward, kept: tuple[Tensor, ...], grad_out: Tensor) -> Tensor | None:
+            states = _chunk(kept, len(work.stage.state_starts))
+            return _StagePass(work).checkpointed(states, every, grad_out)
+
+        StageFunction.keep(ctx, call, context, params, saved, backward)
         return state[0]
 
+
+class ReverseAdjoint(StageFunction):
+    """``reverse``: keeps the input and output, rebuilds each step's start by stepping backward."""
+
     @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        count = len(ctx.needs_input_grad) - 3  # the inputs after (stage, num_knots, x)
-        params, states = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
-        grads = ParamGrads(params, ctx.num_knots, ctx.needs_input_grad[3:])
-        pass_ = _StagePass(ctx.stage, grads, ctx.needs_input_grad[2], ctx.context)
-        with ctx.context.restored():
-            if ctx.mode == "checkpoint":
-                width = len(ctx.stage.initial_state(grad_out))
-                grad_x = pass_.checkpointed(_chunk(states, width), ctx.every, grad_out)
-            else:
-                grad_x = pass_.reconstructed(tuple(states[1:]), grad_out, states[0])
-        return (None, None, grad_x, *pass_.grads.result())
+    def forward(ctx: Any, call: StageCall, x: Tensor, *params: Tensor) -> Tensor:
+        state, context, _ = _run_forward(call, x, params[: call.num_knots])
+
+        def backward(work: Backward, kept: tuple[Tensor, ...], grad_out: Tensor) -> Tensor | None:
+            return _StagePass(work).reconstructed(tuple(kept[1:]), grad_out, kept[0])
+
+        StageFunction.keep(ctx, call, context, params, [x, *state], backward)
+        return state[0]
 
 
 class _StagePass:
     """One backward pass over a stage: re-runs steps, takes their VJPs, accumulates the gradients."""
 
-    def __init__(self, stage: StageIR, grads: ParamGrads, needs_x: bool, context: ForwardContext):
-        self.stage, self.grads, self.needs_x, self.context = stage, grads, needs_x, context
-        self.stats = stage.adjoint_stats
+    def __init__(self, work: Backward) -> None:
+        self.stage, self.grads, self.stats = work.stage, work.grads, work.stats
+        self.needs_x, self.context = work.needs_x, work.context
 
     def checkpointed(self, saved: list[State], every: int, grad_out: Tensor) -> Tensor | None:
         """Exact: re-run each segment of ``every`` steps from its saved start, then VJP its steps."""
@@ -199,17 +165,15 @@ class _StagePass:
         n, error = failed + steps - len(errors), self.stats.last_errors[failed]
         if self.stats.fallbacks == 1:
             cause = "is not finite (a NaN or inf in the batch?)" if math.isinf(error) else f"{error:.2e}"
-            warnings.warn(
-                f"odeify: stage '{self.stage.stage_name}' (backward='reverse', integrator="
+            warn_fallback(
+                f"stage '{self.stage.stage_name}' (backward='reverse', integrator="
                 f"'{self.stage.integrator.name}', steps={steps}) could not rebuild its states: step {n} "
                 f"has reconstruction error {cause} > tolerance {tolerance:.0e}. This backward pass was "
                 "redone exactly with checkpointing from the stage input (more compute, memory ~ "
                 "sqrt(steps) states), and later ones will be too whenever this happens; "
                 "stage.adjoint_stats.fallbacks counts them. To stay memory-free use more steps or "
                 "integrator='heun' instead of 'euler'; if memory allows, backward='checkpoint' skips "
-                "the failed attempts.",
-                FallbackWarning,
-                stacklevel=2,
+                "the failed attempts."
             )
         self.grads.reset()
         every = math.isqrt(steps - 1) + 1  # ceil(sqrt(steps))
@@ -224,9 +188,8 @@ class _StagePass:
 
     # -- one step ------------------------------------------------------------------------------
     def _start(self, grad_out: Tensor) -> list[Tensor | None]:
-        """Cotangents of the final state: the output's, then None for reversible Heun's z."""
-        width = len(self.stage.initial_state(grad_out))
-        return [grad_out, *([None] * (width - 1))]
+        """Cotangents of the final state: the output's, then None for the other components."""
+        return [grad_out, *([None] * (len(self.stage.state_starts) - 1))]
 
     def _vjp(self, n: int, start: State, cotangent: list[Tensor | None]) -> tuple[State, list[Tensor | None]]:
         """Re-run step ``n`` from ``start`` with grad; returns its end state and its start's cotangents."""
@@ -252,10 +215,11 @@ class _StagePass:
         return self.context.replay(n, graph, (*state, *rerun.knots))
 
     def _finish(self, cotangent: list[Tensor | None]) -> Tensor | None:
-        """The gradient w.r.t. x, which fed every component of the initial state."""
+        """The gradient w.r.t. x, which fed the components of the initial state that start at x."""
         if not self.needs_x:
             return None
-        parts = [g for g in cotangent if g is not None]
+        starts = self.stage.state_starts
+        parts = [g for g, start in zip(cotangent, starts, strict=True) if g is not None and start == "input"]
         return sum(parts[1:], parts[0])
 
 

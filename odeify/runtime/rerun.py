@@ -1,29 +1,47 @@
-"""Shared pieces of the backward passes that re-run graphs: parameter gradients and the forward's context.
+"""What every memory-saving backward pass shares: its autograd Function's shape, gradients, context, warnings.
+
+:class:`StageFunction` is the base of the memory-saving autograd Functions (``checkpoint`` and
+``reverse`` in :mod:`odeify.runtime.adjoint`, ``reversible`` in :mod:`odeify.runtime.reversible`):
+inputs (the stage's :class:`StageCall`, x, the knot stacks, the stage's other trainable
+parameters), so gradients reach the knots as ordinary leaf gradients; one backward prologue
+(saved tensors, :class:`ParamGrads`, the forward's context restored) around the pass the forward
+chose.
 
 A re-run graph takes only the rows of each knot stack it reads (``graph.knot_window``), so its
 knot inputs are fresh leaves over those rows and its gradients land in just those rows of the
 accumulators: one step of a K-knot stage costs its own knots in backward, not all K.
 
-:class:`ForwardContext` is what both memory-free autograd Functions (``odeify.runtime.adjoint`` and
-``odeify.runtime.reversible``) keep from their forward so that backward re-runs see the same mixed
+:class:`ForwardContext` is what a forward keeps so that backward re-runs see the same mixed
 precision and random draws, and leave the global RNG stream as backprop would.
+:func:`training_batchnorm` finds what no re-run may hold: a BatchNorm in training mode, whose running
+statistics a recompute would update a second time. :func:`warn_fallback` is the one warning policy:
+every fallback or inexact rebuild warns as :class:`odeify.FallbackWarning`, attributed to the user's
+line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx as fx
-from torch import Tensor
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from odeify.codegen.emit import StepGraph
+from odeify.core.errors import FallbackWarning
+from odeify.ir.stage_ir import StageIR
 from odeify.runtime.rng_tape import Generators, Tape, record, replay
+from odeify.runtime.stats import AdjointStats
 
 
-def knot_window_inputs(graph: fx.GraphModule, knots: Sequence[Tensor]) -> list[Tensor]:
+def knot_window_inputs(graph: StepGraph, knots: Sequence[Tensor]) -> list[Tensor]:
     """The knot inputs of a step or field graph: each stack's rows ``graph.knot_window``."""
     window = graph.knot_window
     return [k if (window.start, window.stop) == (0, len(k)) else k[window] for k in knots]
@@ -54,7 +72,7 @@ class ParamGrads:
         self.knot_grads = [torch.zeros_like(k) if need else None for k, need in pairs]
         self.extra_grads = [torch.zeros_like(p) for p in self.extras]
 
-    def rerun(self, graph: fx.GraphModule, differentiate: bool = True) -> Rerun:
+    def rerun(self, graph: StepGraph, differentiate: bool = True) -> Rerun:
         """Knot inputs for one run of ``graph`` (fresh leaves when ``differentiate``)."""
         # a fresh view per run: two runs at one point must not share a leaf (their grads would merge)
         knots = [
@@ -115,17 +133,17 @@ class ForwardContext:
         }
         return cls(Generators(x.device), autocast)
 
-    def record(self, key: Any, graph: fx.GraphModule, args: Sequence[Tensor]) -> Any:
+    def record(self, key: Any, graph: StepGraph, args: Sequence[Tensor]) -> Any:
         """Run ``graph`` in forward, noting the random draws it made under ``key``."""
-        out, tape = record(graph, tuple(args), self.rng)
+        out, tape = record(graph.module, tuple(args), self.rng)
         if tape:
             self.tapes[key] = tape
         return out
 
-    def replay(self, key: Any, graph: fx.GraphModule, args: Sequence[Tensor]) -> Any:
+    def replay(self, key: Any, graph: StepGraph, args: Sequence[Tensor]) -> Any:
         """Re-run ``graph`` (or another graph naming its nodes alike) with the draws noted under ``key``."""
         tape = self.tapes.get(key)
-        return graph(*args) if tape is None else replay(graph, tuple(args), tape, self.rng)
+        return graph(*args) if tape is None else replay(graph.module, tuple(args), tape, self.rng)
 
     @contextmanager
     def restored(self) -> Iterator[None]:
@@ -140,3 +158,104 @@ class ForwardContext:
                 yield
         finally:
             self.rng.set(outer)
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """What a memory-saving Function needs of its stage besides tensors: the IR, where to report, how
+    many of the parameter inputs are knot stacks."""
+
+    stage: StageIR
+    stats: AdjointStats
+    num_knots: int
+
+
+@dataclass(frozen=True)
+class Backward:
+    """What one backward pass works with: its stage, the gradient accumulators, whether x wants a
+    gradient, the forward's context and the knot stacks (detached views are made per re-run)."""
+
+    call: StageCall
+    grads: ParamGrads
+    needs_x: bool
+    context: ForwardContext
+    knots: tuple[Tensor, ...]
+
+    @property
+    def stage(self) -> StageIR:
+        return self.call.stage
+
+    @property
+    def stats(self) -> AdjointStats:
+        return self.call.stats
+
+
+BackwardPass = Callable[[Backward, tuple[Tensor, ...], Tensor], Tensor | None]
+"""A pass chosen in forward: ``(its Backward, what forward saved, the output's gradient) -> x's gradient``."""
+
+
+class StageFunction(torch.autograd.Function):
+    """Base of the memory-saving autograd Functions: ``apply(call, x, *knots, *other parameters)``.
+
+    A subclass writes ``forward(ctx, call, x, *params)``: it runs the stage under ``no_grad``, and
+    calls :meth:`keep` with what backward needs and the pass that will use it. ``backward`` is
+    here, once: it unpacks the saved tensors, makes the gradient accumulators and runs that pass
+    under the forward's autocast state, restoring the global RNG stream afterwards.
+    """
+
+    @classmethod
+    def run(cls, call: StageCall, x: Tensor, params: Sequence[Tensor]) -> Tensor:
+        return cls.apply(call, x, *params)
+
+    @staticmethod
+    def keep(
+        ctx: Any,
+        call: StageCall,
+        context: ForwardContext,
+        params: Sequence[Tensor],
+        saved: Sequence[Tensor | None],
+        backward: BackwardPass,
+    ) -> None:
+        """Save what ``backward`` (run later, by :meth:`backward`) needs."""
+        ctx.call, ctx.context, ctx.backward_pass, ctx.num_params = call, context, backward, len(params)
+        ctx.save_for_backward(*params, *saved)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        params, saved = ctx.saved_tensors[: ctx.num_params], ctx.saved_tensors[ctx.num_params :]
+        call = ctx.call
+        grads = ParamGrads(params, call.num_knots, ctx.needs_input_grad[2:])
+        work = Backward(call, grads, ctx.needs_input_grad[1], ctx.context, params[: call.num_knots])
+        with ctx.context.restored():
+            grad_x = ctx.backward_pass(work, saved, grad_out)
+        return (None, grad_x, *grads.result())
+
+
+_LIBRARY = tuple(str(Path(module.__file__).parent) for module in (sys.modules["odeify"], torch))
+
+
+def warn_fallback(message: str) -> None:
+    """Warn ``message`` as :class:`odeify.FallbackWarning`, attributed to the first frame outside odeify
+    and torch: the user's ``model(x)`` for a forward's fallback, ``loss.backward()`` for a backward's."""
+    frame, level = sys._getframe(), 1
+    while frame.f_back is not None and _in_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(f"odeify: {message}", FallbackWarning, stacklevel=level)
+
+
+def _in_library(filename: str) -> bool:
+    """Whether a frame runs odeify's or torch's code (or a graph torch.fx generated)."""
+    return filename.startswith(_LIBRARY) or filename.startswith("<eval_with_key>")
+
+
+def training_batchnorm(module: nn.Module) -> str | None:
+    """The name of ``module``'s first BatchNorm in training mode ('' for ``module`` itself), or None.
+
+    A memory-saving backward re-runs forward computation: such a BatchNorm would update its running
+    statistics a second time, on the batch statistics of a reconstructed state.
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, _BatchNorm) and sub.training:
+            return name
+    return None

@@ -2,8 +2,9 @@
 
 Its computation is always written by :mod:`odeify.codegen.emit`: inlined into a model graph by the
 ``lower`` pass, or as the stage's own unrolled graph, which ``forward`` runs. With a memory-saving
-backward mode ``forward`` hands over to :mod:`odeify.runtime.adjoint`, which runs the per-step graphs and
-re-runs them in backward.
+backward mode, while autograd records, ``forward`` hands over to the autograd Function that
+:data:`MEMORY_SAVING` names for the mode: it runs the per-step (or per-field) graphs under
+``no_grad`` and re-runs them in backward (docs/backward-modes.md).
 """
 
 from __future__ import annotations
@@ -12,13 +13,25 @@ from fractions import Fraction
 from typing import Any
 
 import torch
-import torch.fx as fx
 
 from odeify.codegen import emit
+from odeify.core.errors import ConfigError
+from odeify.ir.settings import BACKWARD_MODES
 from odeify.ir.stage_ir import StageIR
-from odeify.runtime.adjoint import integrate_with_adjoint
-from odeify.runtime.rerun import knot_window_inputs
+from odeify.runtime.adjoint import CheckpointAdjoint, ReverseAdjoint
+from odeify.runtime.rerun import StageCall, StageFunction, knot_window_inputs, training_batchnorm
+from odeify.runtime.reversible import LatticeAdjoint
 from odeify.runtime.stats import AdjointStats
+
+MEMORY_SAVING: dict[str, type[StageFunction]] = {
+    "checkpoint": CheckpointAdjoint,
+    "reverse": ReverseAdjoint,
+    "reversible": LatticeAdjoint,
+}
+"""The one table of memory-saving backward modes: the autograd Function that runs each. Its names are
+``odeify.ir.settings.BACKWARD_MODES`` but ``backprop``, which runs the unrolled graph."""
+if set(MEMORY_SAVING) != set(BACKWARD_MODES) - {"backprop"}:  # one source of the names: fail on import
+    raise ImportError(f"MEMORY_SAVING covers {sorted(MEMORY_SAVING)}, BACKWARD_MODES is {BACKWARD_MODES}")
 
 
 class ODEStage(StageIR):
@@ -28,16 +41,16 @@ class ODEStage(StageIR):
         super().__init__(*args, **kwargs)
         self.adjoint_stats = AdjointStats()  # what the memory-free backward modes did
 
-    def unrolled_graph(self) -> fx.GraphModule:
+    def unrolled_graph(self) -> emit.StepGraph:
         """The whole stage as one unrolled graph ``x -> x(1)``, as lowering inlines it."""
         return emit.unrolled_graph(self)
 
-    def step_graph(self, n: int, kind: str = "forward") -> fx.GraphModule:
-        """A graph module for one step (``forward``, or approximate ``reverse``) over its knot window."""
+    def step_graph(self, n: int, kind: str = "forward") -> emit.StepGraph:
+        """A graph for one step (``forward``, or approximate ``reverse``) over its knot window."""
         return emit.step_graph(self, n, kind)
 
-    def field_graph(self, t: Fraction, left: bool = False) -> fx.GraphModule:
-        """A graph module ``(x, knot window...) -> F(t, x)`` at an exact time (left limit when ``left``)."""
+    def field_graph(self, t: Fraction, left: bool = False) -> emit.StepGraph:
+        """A graph ``(x, knot window...) -> F(t, x)`` at an exact time (left limit when ``left``)."""
         return emit.field_graph(self, Fraction(t), left)
 
     def field(self, t: Fraction, x: torch.Tensor, left: bool = False) -> torch.Tensor:
@@ -45,7 +58,7 @@ class ODEStage(StageIR):
         return self.run_graph(self.field_graph(t, left), (x,))
 
     def run_graph(
-        self, graph: fx.GraphModule, state: tuple[torch.Tensor, ...], knots: list[torch.Tensor] | None = None
+        self, graph: emit.StepGraph, state: tuple[torch.Tensor, ...], knots: list[torch.Tensor] | None = None
     ) -> Any:
         """Run a step or field graph on ``state`` and the knot rows it reads (default knots: the stage's)."""
         return graph(*state, *knot_window_inputs(graph, self.knot_tensors() if knots is None else knots))
@@ -57,6 +70,39 @@ class ODEStage(StageIR):
         if self.backward != "backprop" and torch.is_grad_enabled():
             return integrate_with_adjoint(self, x)
         return self.run_graph(self.unrolled_graph(), (x,))
+
+
+# A deliberate graph break under torch.compile: the Functions run Python loops over cached step
+# graphs, record random draws and call autograd in backward, none of which dynamo can trace; the
+# rest of a compiled model (the segments between stages) still compiles.
+@torch.compiler.disable
+def integrate_with_adjoint(stage: ODEStage, x: torch.Tensor) -> torch.Tensor:
+    """Run ``stage`` on ``x`` with the memory-saving backward named by ``stage.backward``."""
+    function = MEMORY_SAVING.get(stage.backward)
+    if function is None:
+        raise ConfigError(
+            f"stage '{stage.stage_name}' has backward={stage.backward!r}; the memory-saving runtime runs "
+            f"{', '.join(MEMORY_SAVING)} (backprop goes through the unrolled graph)."
+        )
+    _check_batchnorm(stage)
+    knots = stage.knot_tensors()
+    extras = [p for p in stage.parameters() if p.requires_grad and not any(p is k for k in knots)]
+    if not (x.requires_grad or any(t.requires_grad for t in (*knots, *extras))):
+        with torch.no_grad():
+            return stage(x)
+    return function.run(StageCall(stage, stage.adjoint_stats, len(knots)), x, [*knots, *extras])
+
+
+def _check_batchnorm(stage: ODEStage) -> None:
+    """Refuse train-mode BatchNorm: a re-run would update running stats twice, on other batch stats."""
+    name = training_batchnorm(stage)
+    if name is not None:
+        raise ConfigError(
+            f"stage '{stage.stage_name}' holds BatchNorm '{name}' in training mode, but "
+            f"backward={stage.backward!r} re-runs steps in backward, which would update its running "
+            "statistics a second time (and a reconstructed state has other batch statistics). "
+            "Fold it into the conv before it (odeify.convert does) or freeze it with .eval()."
+        )
 
 
 def _per_knot_layout(fn):

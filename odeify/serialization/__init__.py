@@ -1,2 +1,3 @@
-"""Saved files: the recipe (what rebuilds a converted model, and its schema) and ``save``/``load``
-(safetensors plus the recipe; never pickles; atomic writes)."""
+"""Saved files: the recipe (what rebuilds a converted model), its schema (applied by ``save`` and
+``load`` alike), the probe (what the model computed when saved, checked when loaded) and
+``save``/``load`` (safetensors plus the recipe; never pickles; atomic writes)."""

@@ -3,17 +3,21 @@
 A saved model is self-contained: its recipe (:mod:`odeify.serialization.recipe`) names the source
 architecture as a timm name and build kwargs, never a path or the source weights. ``load`` builds
 that architecture with random weights (or takes the ``model=`` you pass), converts it with the
-recorded settings, checks every saved tensor against the result, and loads them (with the fold
-records and source tensors the file has: what fine-tuning reads, :mod:`odeify.passes.source`).
-It opens no path but the one it is given and needs no network, so a file loads the same on any
-machine with odeify, torch and timm.
+recorded settings, checks every saved tensor against the result, loads them (with the fold
+records and source tensors the file has: what fine-tuning reads, :mod:`odeify.passes.source`),
+and checks that the result computes what was saved (:mod:`odeify.serialization.probe`). It opens
+no path but the one it is given and needs no network, so a file loads the same on any machine
+with odeify, torch and timm.
+
+``save`` checks what it writes with load's own rules (:mod:`odeify.serialization.schema`, the tensor
+checks below, the resource budgets): a model load would refuse is refused before anything is
+written, with the same words.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import stat
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,36 +25,48 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import torch.fx as fx
-from safetensors import safe_open
 from torch import nn
 
 from odeify.compiler.conversion import guard_input_dtype
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT
 from odeify.compiler.record import META
+from odeify.core.budget import check_input_bytes
 from odeify.core.errors import ModelLoadError, OdeifyError
-from odeify.core.fileio import atomic_write_bytes
-from odeify.ir.settings import StageSettings
+from odeify.core.fileio import atomic_write_bytes, read_header, read_tensors
+from odeify.core.paths import MODEL_SUFFIX, input_file, output_file
+from odeify.ir.settings import StageRequest
 from odeify.models.archs import build_arch
 from odeify.models.timm_interface import ConvertedModel
 from odeify.passes.fold_bn import FOLDS, drop_fold_records
 from odeify.passes.source import attach_sources, drop_sources
-from odeify.serialization.recipe import DTYPES, Recipe, integrator_of, parse_recipe, recipe_of
+from odeify.serialization.probe import PROBE_PREFIX, check_probe, record_probe
+from odeify.serialization.recipe import DTYPES, Recipe, integrator_of, recipe_of
+from odeify.serialization.schema import RecipeError, parse_recipe, validate_recipe
 
 __all__ = ["RECIPE_KEY", "load", "save"]
 
 RECIPE_KEY = "odeify_converted"  # safetensors metadata key of the recipe (JSON)
 MAX_BUILD_RATIO = 64  # a file may name an architecture with at most this many times its own elements
+_WRITTEN_BY_SAVE = "a safetensors file written by odeify.save"
+Header = Mapping[str, tuple[tuple[int, ...], str]]
 
 
 def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """Write a converted model (from convert/retarget/load, possibly fine-tuned) to ``path``, atomically.
 
-    A model converted from a custom ``nn.Module`` (not a timm or odeify architecture) cannot be rebuilt
-    from the file alone: ``save`` warns, and ``load`` will need ``model=`` an instance of it.
+    ``path`` ends in ``.safetensors``. A model converted from a custom ``nn.Module`` (not a timm or
+    odeify architecture) cannot be rebuilt from the file alone: ``save`` warns, and ``load`` will
+    need ``model=`` an instance of it. A model that ``load`` would refuse (a NaN weight, a head or
+    input larger than a file may ask for, a tableau name that is not a Python name) is refused.
     """
-    target = _save_target(path)
-    recipe = recipe_of(model)
+    target = output_file(path, "odeify.save", suffix=MODEL_SUFFIX)
+    _check_saved(recipe_of(model), target)  # before any work: what load's schema and budgets refuse
+    # own, contiguous CPU copies: safetensors refuses tensors that share storage
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    _refuse_unloadable(tensors, target)
+    probe, probe_tensors = record_probe(model)
+    recipe = recipe_of(model, probe)
     if recipe.arch is None:
         record = model.meta.get(META, {})
         source, why = record.get("name", "the source module"), record.get("arch_unknown_because")
@@ -61,30 +77,45 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
             UserWarning,
             stacklevel=2,
         )
-    # own, contiguous CPU copies: safetensors refuses tensors that share storage
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    data = safetensors.torch.save(tensors, metadata={RECIPE_KEY: recipe.to_json()})
+    data = safetensors.torch.save({**tensors, **probe_tensors}, metadata={RECIPE_KEY: recipe.to_json()})
     try:
         atomic_write_bytes(target, data)
     except OSError as exc:
         raise OdeifyError(f"cannot write {target}: {exc.strerror or exc}") from exc
 
 
-def _save_target(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a file path that can be written, or an OdeifyError that says why not."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise OdeifyError(f"save needs a file path such as 'model.safetensors', not {path!r}")
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise OdeifyError(
-            f"{target} is a directory; save to a file in it, e.g. {target / 'model.safetensors'}"
-        )
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise OdeifyError(f"cannot save to {target}: {parent} is a file, not a folder")
-            break
-    return target
+def _refused(target: Path, problem: str) -> OdeifyError:
+    return OdeifyError(f"odeify.save refuses to write {target}: {problem}; odeify.load would refuse the file")
+
+
+def _refuse_unloadable(tensors: Mapping[str, torch.Tensor], target: Path) -> None:
+    """What load's tensor checks would refuse: mixed dtypes, NaN or inf values."""
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+    problems = [f"{k} is {t.dtype}, the model needs {dtype}" for k, t in tensors.items()
+                if t.is_floating_point() and t.dtype != dtype]  # fmt: skip
+    problems += [f"{k} holds non-finite values (NaN or inf)" for k, t in tensors.items()
+                 if t.is_floating_point() and not bool(torch.isfinite(t).all())]  # fmt: skip
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise _refused(target, "; ".join(problems[:3]) + more)
+
+
+def _check_saved(recipe: Recipe, target: Path) -> None:
+    """The recipe about to be written passes load's schema and input budget."""
+    try:
+        validate_recipe(_round_trip(recipe))
+        check_input_bytes("the recorded input", recipe.input_shape, DTYPES[recipe.dtype].itemsize)
+    except RecipeError as exc:
+        raise _refused(target, exc.problem) from None
+    except OdeifyError as exc:
+        raise _refused(target, str(exc)) from None
+
+
+def _round_trip(recipe: Recipe) -> object:
+    """The recipe as load will parse it (JSON types: lists, not tuples; a NaN kept for the schema to name)."""
+    import json
+
+    return json.loads(json.dumps(recipe.to_body()))
 
 
 def load(
@@ -97,62 +128,50 @@ def load(
 
     ``model``: an instance of the source architecture, needed only when the source was a custom
     ``nn.Module`` (an un-initialised instance is enough: its weights are ignored). ``leaf_modules``:
-    as given to ``convert``.
+    as given to ``convert``. Files saved before the probe existed (format version 1) load unchecked by it.
     """
-    path = _load_source(path)
+    path = input_file(path, "converted model", error=ModelLoadError)
     recipe, header = _read_header(path)
+    check_input_bytes(f"{path}: the recorded input", recipe.input_shape, DTYPES[recipe.dtype].itemsize)
     _check_knot_shapes(recipe, header, path)
     source = _source_model(recipe, header, path, model)
     converted = _rebuild(source, recipe, path, leaf_modules)
-    state = _read_tensors(path)
+    state = read_tensors(path, ModelLoadError, _WRITTEN_BY_SAVE)
+    probe = {k: state.pop(k) for k in [k for k in state if k.startswith(PROBE_PREFIX)]}
     _match_training_records(converted, state, path)
     _check_tensors(converted, state, path)
     converted.load_state_dict(state, strict=True)
     if recipe.pretrained_cfg:
         converted.pretrained_cfg = {**converted.pretrained_cfg, **recipe.pretrained_cfg}
+    if recipe.probe is not None:
+        check_probe(converted, recipe.probe, probe, str(path))
     return converted.eval()
-
-
-def _load_source(path: str | os.PathLike[str]) -> Path:
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ModelLoadError(f"load needs the path of a file written by odeify.save, not {path!r}")
-    path = Path(path).expanduser()
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise ModelLoadError(f"no converted model at {path}: the file does not exist") from None
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if stat.S_ISDIR(mode):
-        raise ModelLoadError(f"{path} is a directory, not a file written by odeify.save")
-    if not stat.S_ISREG(mode):
-        raise ModelLoadError(
-            f"{path} is not a regular file (a pipe, socket or device); odeify.load reads files"
-        )
-    return path
 
 
 def _read_header(path: Path) -> tuple[Recipe, dict[str, tuple[tuple[int, ...], str]]]:
     """The validated recipe and every tensor's (shape, dtype), read from the header alone."""
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            meta = handle.metadata() or {}
-            header = {}
-            for key in handle.keys():
-                piece = handle.get_slice(key)
-                header[key] = (tuple(piece.get_shape()), str(piece.get_dtype()))
-    except Exception as exc:  # safetensors raises its own error types for malformed files
-        raise ModelLoadError(f"{path} is not a safetensors file written by odeify.save: {exc}") from exc
-    if RECIPE_KEY not in meta:
+    header = read_header(path, ModelLoadError, _WRITTEN_BY_SAVE)
+    if RECIPE_KEY not in header.metadata:
         raise ModelLoadError(
             f"{path} holds no odeify recipe: it is not a converted model. To convert a checkpoint, use "
             f"odeify.convert({str(path)!r}) (CLI: odeify convert {path})."
         )
-    return parse_recipe(meta[RECIPE_KEY], str(path)), header
+    recipe = parse_recipe(header.metadata[RECIPE_KEY], str(path))
+    probes = [k for k in header.tensors if k.startswith(PROBE_PREFIX)]
+    expected = [PROBE_PREFIX + name for name, _ in (recipe.probe or {}).get("points", [])]
+    if sorted(probes) != sorted(expected):
+        raise ModelLoadError(
+            f"{path}: the probe tensors {sorted(probes)[:3]} do not match its recipe's probe points "
+            f"{sorted(expected)[:3]}; the file is damaged or was altered"
+        )
+    return recipe, {k: v for k, v in header.tensors.items() if not k.startswith(PROBE_PREFIX)}
 
 
-def _check_knot_shapes(recipe: Recipe, header: Mapping[str, tuple[tuple[int, ...], str]], path: Path) -> None:
-    """Each stage's knot tensors in the file have the recipe's knot count (before anything is built)."""
+def _check_knot_shapes(recipe: Recipe, header: Header, path: Path) -> None:
+    """Each stage's knot tensors in the file have the recipe's knot count, and every knot tensor in the
+    file belongs to a stage of the recipe (checked before anything is built: no knot count from the
+    recipe is believed without the tensors that hold it)."""
+    claimed: set[str] = set()
     for stage in recipe.stages:
         prefix = f"{stage.module}.knots."
         found = {k: shape for k, (shape, _) in header.items() if k.startswith(prefix)}
@@ -164,11 +183,16 @@ def _check_knot_shapes(recipe: Recipe, header: Mapping[str, tuple[tuple[int, ...
                 f"{path}: stage {stage.name!r} says {stage.knots} knots but the file's knot tensors are "
                 f"{', '.join(wrong[:3])}; the file is damaged or was altered"
             )
+        claimed |= found.keys()
+    stray = sorted(k for k in header if ".knots." in k and k not in claimed)
+    if stray:
+        raise ModelLoadError(
+            f"{path}: the knot tensors {', '.join(stray[:3])} belong to no stage of its recipe; the file is "
+            "damaged or was altered (does the recipe lack a stage?)"
+        )
 
 
-def _source_model(
-    recipe: Recipe, header: Mapping[str, tuple[tuple[int, ...], str]], path: Path, model: nn.Module | None
-) -> nn.Module:
+def _source_model(recipe: Recipe, header: Header, path: Path, model: nn.Module | None) -> nn.Module:
     """The source architecture with random weights: ``model`` if given, else built from the recipe."""
     dtype = DTYPES[recipe.dtype]
     if model is not None:
@@ -219,15 +243,22 @@ def _convert_as_recorded(
 ) -> ConvertedModel:
     """The convert pipeline, with the recipe's manifestation for each stage."""
 
-    def settings_for(names: list[str]) -> dict[str, StageSettings]:
-        missing = [entry.name for entry in recipe.stages if entry.name not in names]
-        if missing:
+    def settings_for(names: list[str]) -> dict[str, StageRequest]:
+        recorded = [entry.name for entry in recipe.stages]
+        extra = [name for name in recorded if name not in names]
+        missing = [name for name in names if name not in recorded]
+        if extra or missing:
+            what = (
+                f"a stage {extra[0]!r} that the rebuilt model lacks"
+                if extra
+                else f"no entry for stage {missing[0]!r}"
+            )
             raise ModelLoadError(
-                f"{path} has a stage {missing[0]!r} that the rebuilt model lacks (it has "
-                f"{', '.join(names)}); was it saved from another architecture, or is model= another one?"
+                f"{path}: its recipe has {what} (the rebuilt model has {', '.join(names)}); was it saved "
+                "from another architecture, is model= another one, or was the recipe altered?"
             )
         return {
-            entry.name: StageSettings(
+            entry.name: StageRequest(
                 knots=entry.knots,
                 basis=entry.basis,
                 integrator=integrator_of(entry.integrator),
@@ -266,19 +297,12 @@ def _match_training_records(model: nn.Module, state: Mapping[str, torch.Tensor],
         raise ModelLoadError(f"{path}: {'; '.join(problems[:3])}; the file is damaged or was altered")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return safetensors.torch.load_file(str(path), device="cpu")
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: the tensors cannot be read ({exc}); the file is damaged") from exc
-
-
 def _check_tensors(model: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
     """Every tensor has the name, shape and dtype the rebuilt model expects, and finite values."""
     own = model.state_dict()
     problems = [f"missing {k}" for k in own if k not in state]
     problems += [f"unexpected {k}" for k in state if k not in own]
-    for key in own.keys() & state.keys():
+    for key in (k for k in own if k in state):  # in the model's order: the order save names them in
         mine, theirs = own[key], state[key]
         if theirs.shape != mine.shape:
             problems.append(f"{key} has shape {tuple(theirs.shape)}, the model needs {tuple(mine.shape)}")

@@ -10,24 +10,37 @@ on ``train``, the evaluation resize and crop on ``val``.
 Batches come from :func:`make_loader`, which always uses a ``DistributedSampler`` (one replica
 when not distributed): its order depends only on the seed and the epoch, so a resumed run sees
 the same batches as an uninterrupted one.
+
+:func:`check_data` refuses data that cannot train the model (labels out of range or not integers,
+another channel count, NaN or inf inputs) where it enters fine-tuning, not in the training loop;
+:func:`fingerprint` is what a resumed run checks to be training on the same data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from odeify.core.budget import check_input_bytes
 from odeify.core.errors import OdeifyError
+from odeify.core.limits import MAX_NUM_CLASSES
 from odeify.models.timm_interface import default_input_size
 
-__all__ = ["DIGITS", "DataError", "LabelledData", "make_loader", "open_data"]
+__all__ = ["DIGITS", "DataError", "LabelledData", "check_data", "fingerprint", "make_loader", "open_data"]
 
 DIGITS = "digits"
+DIGITS_SAMPLES = 1797  # scikit-learn's digits: what open_data("digits") holds in memory, both splits
 VAL_FOLDERS = ("val", "validation")
+IGNORE_INDEX = -100  # the label cross-entropy skips (torch's default ignore_index)
+LARGE_INPUT = 1e4  # normalised images lie within a few units of 0; raw 0..255 pixels within 255
 
 
 class DataError(OdeifyError):
@@ -61,6 +74,9 @@ def _digits(model: nn.Module) -> LabelledData:
             "inputs. Use the shipped digits model (odeify's default MODEL) or pass --data DIR with an "
             "ImageFolder of your own images (DIR/train/<class>/*.png, DIR/val/<class>/*.png)."
         )
+    check_input_bytes(
+        "the digits set at the model's input size", (DIGITS_SAMPLES, channels, height, width), 4
+    )
     return LabelledData(
         DIGITS,
         TensorDataset(*load_digits("train", height)),
@@ -142,3 +158,100 @@ def make_loader(
         num_workers=workers,
         persistent_workers=False,
     )
+
+
+# -- what fine-tuning checks of its data -----------------------------------------------------------
+def check_data(data: object, model: nn.Module) -> None:
+    """Refuse data that cannot train ``model``, naming the split and sample; warn on huge inputs.
+
+    Labels are int64 class indices in [0, num_classes) (or the ignore index -100); inputs are
+    floating-point images with the model's channel count and finite values. An in-memory split (a
+    ``TensorDataset``) is checked whole, any other dataset by its first sample.
+    """
+    if not isinstance(data, LabelledData):
+        raise DataError(
+            f"fine-tuning takes a LabelledData (odeify.train.datasets.open_data or LabelledData(name, train, "
+            f"val, num_classes)), not {type(data).__name__}."
+        )
+    n = data.num_classes
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NUM_CLASSES:
+        raise DataError(f"{data.name}: num_classes must be an integer in [1, {MAX_NUM_CLASSES}], not {n!r}.")
+    channels = _input_shape(model)[1]
+    for split, dataset in (("training", data.train), ("validation", data.val)):
+        if len(dataset) == 0:
+            raise DataError(f"{data.name}: the {split} split is empty.")
+        if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+            x, y = dataset.tensors
+        else:
+            sample = dataset[0]
+            x, y = sample[0].unsqueeze(0), torch.as_tensor([sample[1]])
+        _check_inputs(x, channels, f"{data.name}: the {split} split's inputs")
+        _check_labels(y, n, f"{data.name}: the {split} split's labels")
+
+
+def _check_inputs(x: object, channels: int, where: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.ndim != 4 or not x.is_floating_point():
+        got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise DataError(f"{where} must be floating-point images [N, C, H, W]; got {got}.")
+    if x.shape[1] != channels:
+        raise DataError(f"{where} have {x.shape[1]} channel(s), the model takes {channels}.")
+    finite = torch.isfinite(x).flatten(1).all(1)
+    if not bool(finite.all()):
+        first = int((~finite).nonzero()[0])
+        raise DataError(f"{where} hold NaN or inf values (sample {first} is the first); clean the data.")
+    largest = float(x.abs().max())
+    if largest > LARGE_INPUT:
+        warnings.warn(
+            f"{where} reach {largest:.3g} in magnitude; images are usually normalised to a few units "
+            "around 0 (timm's transforms do this). Check the data's scaling.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _check_labels(y: object, n: int, where: str) -> None:
+    if not isinstance(y, torch.Tensor) or y.dtype != torch.int64:
+        got = y.dtype if isinstance(y, torch.Tensor) else type(y).__name__
+        raise DataError(f"{where} must be int64 class indices (torch.long); got {got}: pass y.long().")
+    bad = (y != IGNORE_INDEX) & ((y < 0) | (y >= n))
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0]) if bad.ndim else 0
+        raise DataError(
+            f"{where} hold {int(y.reshape(-1)[first])} (sample {first}), outside the {n} classes "
+            f"[0, {n - 1}]; labels are class indices (or {IGNORE_INDEX}, ignored)."
+        )
+
+
+def fingerprint(data: LabelledData) -> dict[str, Any]:
+    """What identifies ``data`` for a resumed run: its classes and, per split, its samples.
+
+    An in-memory split is hashed whole; an image folder by its class names and file list (relative
+    paths and sizes, not contents: reading every image again would cost as much as an epoch).
+    """
+    return {
+        "classes": _class_names(data.train) or data.num_classes,
+        "train": _split_print(data.train),
+        "val": _split_print(data.val),
+    }
+
+
+def _class_names(dataset: Dataset) -> list[str] | None:
+    classes = getattr(getattr(dataset, "reader", None), "class_to_idx", None)
+    return sorted(classes, key=classes.get) if isinstance(classes, dict) else None
+
+
+def _split_print(dataset: Dataset) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    if isinstance(dataset, TensorDataset):
+        for tensor in dataset.tensors:
+            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        reader = getattr(dataset, "reader", None)
+        samples = getattr(reader, "samples", None)
+        if not isinstance(samples, list):
+            return {"samples": len(dataset), "content": None}  # a dataset odeify cannot look into
+        for path, target in samples:
+            relative = os.path.relpath(path, reader.root)
+            digest.update(f"{relative}\0{os.stat(path).st_size}\0{target}\n".encode())
+    return {"samples": len(dataset), "content": digest.hexdigest()[:32]}

@@ -22,10 +22,16 @@ The loop, :func:`finetune`:
   (``train_state.safetensors``: model, weight average, optimizer, epoch, step, history; resumable),
   the model (``last.safetensors``, readable by ``odeify.load``; the weight average when the recipe
   keeps one), ``best.safetensors`` when validation accuracy improved, and ``history.json``. A crash
-  or kill leaves the previous epoch's files intact;
+  or kill leaves the previous epoch's files intact; one killed after the state and before the
+  other files is finished by the resume. The run holds a lock on ``out`` (a second run into the
+  same folder is refused, naming the first's pid; a killed run's lock is taken over);
 - ``resume=True`` continues the run recorded in ``out`` exactly: the global RNGs are reseeded from
   (seed, epoch, rank) at every epoch start and the batch order depends only on (seed, epoch), so
-  the resumed epochs draw what an uninterrupted run draws;
+  the resumed epochs draw what an uninterrupted run draws. It refuses a damaged state, other
+  settings, and a model, teacher or data other than the run began with (their fingerprints are
+  recorded with the state);
+- refuses data that cannot train the model (labels out of range or not int64, another channel
+  count, NaN or inf inputs) before any work;
 - with data of other classes than the model's, resets the classifier (its new weights follow
   ``seed``) and trains on the labels alone (the teacher predicts the old classes);
 - stops with :class:`TrainingDiverged` (naming the epoch, step and stage) at the first non-finite
@@ -47,6 +53,7 @@ what the run says (:mod:`odeify.train.progress`), and which manifestation trains
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -59,10 +66,13 @@ from torch import nn
 
 from odeify.compiler.conversion import converted_stages
 from odeify.core.errors import ConfigError, TrainingDiverged
+from odeify.core.lock import folder_lock
+from odeify.core.paths import output_folder
 from odeify.passes.source import record_source
 from odeify.serialization.io import save
-from odeify.train.datasets import LabelledData, make_loader
+from odeify.train.datasets import LabelledData, check_data, make_loader
 from odeify.train.distributed import Processes, start_processes, stop_processes
+from odeify.train.fingerprint import check_fingerprint, run_fingerprint
 from odeify.train.manifestations import (
     for_training,
     load_teacher,
@@ -82,10 +92,12 @@ from odeify.train.state import (
     STATE_KEY,
     EpochRecord,
     check_same_run,
+    finish_epoch_outputs,
     read_run,
     read_state,
     require_folder,
 )
+from odeify.train.state_schema import StateError, check_tensors
 from odeify.train.trainer import Trainer, reseed, stage_shape, validate
 
 __all__ = [
@@ -159,23 +171,86 @@ def finetune(
     makes torch use deterministic kernels (on GPUs: what an exact resume and the reversible
     backward's bit-exact rebuild need).
     """
-    refine_epochs = _check_arguments(model, recipe, refine_at, max_batches)
-    if deterministic:
-        use_deterministic_algorithms()
-    # before anything changes the model: what it holds now is its source where nothing else is kept
-    record_source(model, [name for name, p in model.named_parameters() if p.requires_grad])
-    recipe = _match_classes(model, data, recipe, seed)
-    teacher, recipe = _teacher(model, recipe, teacher)
+    refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
+    check_data(data, model)
     procs = processes or Processes()
-    folder = Path(out) if out is not None else None
-    run = {
-        "recipe": asdict(recipe),
-        "refine_at": refine_epochs,
-        "seed": seed,
-        "max_batches": max_batches,
-        "world_size": procs.world_size,
-        **(run_info or {}),
-    }
+    folder = _run_folder(out, resume)
+    with _folder_lock(folder, procs):
+        if deterministic:
+            use_deterministic_algorithms()
+        # before anything changes the model: what it holds now is its source where nothing else is kept
+        record_source(model, [name for name, p in model.named_parameters() if p.requires_grad])
+        recipe = _match_classes(model, data, recipe, seed)
+        teacher, recipe = _teacher(model, recipe, teacher)
+        started_from = run_fingerprint(model, teacher, data) if folder is not None else {}
+        run = {
+            "recipe": asdict(recipe),
+            "refine_at": refine_epochs,
+            "seed": seed,
+            "max_batches": max_batches,
+            "world_size": procs.world_size,
+            **(run_info or {}),
+        }
+        loader, val_loader, batches = _loaders(data, recipe, seed, procs, workers, max_batches)
+        if procs.is_main:
+            LOGGER.info(header(model, procs))
+        trainer = Trainer(model.to(procs.device), recipe, procs, batches * recipe.epochs, teacher)
+        if resume:
+            history = _resume(trainer, require_folder(folder), run, refine_epochs, started_from)
+        else:
+            history = _begin(trainer, val_loader, folder)
+        for epoch in range(len(history), recipe.epochs + 1):
+            if epoch in refine_epochs:
+                before = stage_shape(trainer.model)
+                kept = trainer.replace_model(refine(trainer.model))
+                if procs.is_main:
+                    optimizer = type(trainer.optimizer).__name__
+                    LOGGER.info(refine_message(epoch, before, stage_shape(trainer.model), kept, optimizer))
+            reseed(seed, epoch, procs.rank)
+            loader.sampler.set_epoch(epoch)
+            record = trainer.train_epoch(loader, batches, epoch, progress and procs.is_main)
+            _validate_epoch(trainer, record, val_loader)
+            history.append(record)
+            if folder is not None:
+                trainer.save(folder, epoch, history, run, started_from)
+            if procs.is_main:
+                LOGGER.info(
+                    epoch_line(record, recipe.epochs, max(h.val_accuracy for h in history[:-1]), folder)
+                )
+    return FineTuneResult(trainer.output, history)
+
+
+def _run_folder(out: str | os.PathLike[str] | None, resume: bool) -> Path | None:
+    """The run's folder, checked before anything is written: a folder (or none yet), not a file, a
+    FIFO or an empty path; without ``resume``, not already holding a run."""
+    if out is None:
+        return None
+    folder = output_folder(out, "out (the run's folder)", error=ConfigError)
+    if not resume and (folder / STATE_FILE).exists():
+        raise ConfigError(
+            f"{folder} already holds a fine-tuning run. Continue it with resume=True (CLI: --resume), or "
+            "pass another out folder (--out)."
+        )
+    return folder
+
+
+def _folder_lock(folder: Path | None, procs: Processes):
+    """The lock of the run's folder, held by rank 0 for the whole run (nothing when there is no folder)."""
+    if folder is None or not procs.is_main:
+        return contextlib.nullcontext()
+
+    def took_over(previous: dict) -> None:
+        LOGGER.info(
+            f"note: {folder} was locked by pid {previous.get('pid')} on {previous.get('host')}, which no "
+            "longer holds the lock (a run that was killed); this run takes it over"
+        )
+
+    return folder_lock(folder, on_takeover=took_over)
+
+
+def _loaders(data: LabelledData, recipe: Recipe, seed: int, procs: Processes, workers: int,
+             max_batches: int | None):  # fmt: skip
+    """The training loader (this rank's shard), the validation loader, and batches per epoch."""
     loader = make_loader(
         data.train, recipe.batch_size, train=True, seed=seed, rank=procs.rank, world_size=procs.world_size,
         workers=workers,
@@ -187,31 +262,7 @@ def finetune(
             f"the training split has {len(data.train)} samples per {procs.world_size} process(es): not one "
             f"full batch of {recipe.batch_size}. Lower --batch-size."
         )
-    if procs.is_main:
-        LOGGER.info(header(model, procs))
-    trainer = Trainer(model.to(procs.device), recipe, procs, batches * recipe.epochs, teacher)
-    if resume:
-        history = _resume(trainer, require_folder(folder), run, refine_epochs)
-    else:
-        history = _begin(trainer, val_loader, folder)
-    for epoch in range(len(history), recipe.epochs + 1):
-        if epoch in refine_epochs:
-            before = stage_shape(trainer.model)
-            kept = trainer.replace_model(refine(trainer.model))
-            if procs.is_main:
-                optimizer = type(trainer.optimizer).__name__
-                LOGGER.info(refine_message(epoch, before, stage_shape(trainer.model), kept, optimizer))
-        reseed(seed, epoch, procs.rank)
-        loader.sampler.set_epoch(epoch)
-        record = trainer.train_epoch(loader, batches, epoch, progress and procs.is_main)
-        _validate_epoch(trainer, record, val_loader)
-        history.append(record)
-        best = max(h.val_accuracy for h in history[:-1])
-        if folder is not None:
-            trainer.save(folder, epoch, history, run, improved=record.val_accuracy > best)
-        if procs.is_main:
-            LOGGER.info(epoch_line(record, recipe.epochs, best, folder))
-    return FineTuneResult(trainer.output, history)
+    return loader, val_loader, batches
 
 
 def _validate_epoch(trainer: Trainer, record: EpochRecord, val_loader) -> None:
@@ -222,7 +273,7 @@ def _validate_epoch(trainer: Trainer, record: EpochRecord, val_loader) -> None:
 
 
 def _check_arguments(
-    model: nn.Module, recipe: Recipe, refine_at: Sequence[int], max_batches: int | None
+    model: nn.Module, recipe: Recipe, refine_at: Sequence[int], max_batches: int | None, seed: object
 ) -> list[int]:
     """Refuse what cannot be trained before any work; returns the refinement epochs, sorted."""
     if not converted_stages(model):
@@ -237,8 +288,12 @@ def _check_arguments(
             f"refine_at epochs must lie in 2..{recipe.epochs} (refining happens at the start of an epoch, "
             f"after at least one epoch at the coarse depth); got {list(refine_at)}."
         )
-    if max_batches is not None and max_batches < 1:
+    if max_batches is not None and (
+        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+    ):
         raise ConfigError(f"max_batches must be a positive integer or None; got {max_batches!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConfigError(f"seed must be an integer in [0, 2^63); got {seed!r}.")
     return refine_epochs
 
 
@@ -306,14 +361,30 @@ def _begin(trainer: Trainer, val_loader, folder: Path | None) -> list[EpochRecor
     return [start]
 
 
-def _resume(trainer: Trainer, folder: Path, run: dict, refine_epochs: list[int]) -> list[EpochRecord]:
-    """Restore the run recorded in ``folder`` (refinements, weights, optimizer); returns its history."""
+def _resume(
+    trainer: Trainer, folder: Path, run: dict, refine_epochs: list[int], started_from: dict
+) -> list[EpochRecord]:
+    """Restore the run recorded in ``folder`` (refinements, weights, optimizer) and finish the write
+    sequence of its last epoch, which a kill may have cut short; returns its history."""
     state = read_state(folder / STATE_FILE)
+    check_fingerprint(state.get("started_from"), started_from, folder)  # first: the cause, when data changed
     check_same_run(state["run"], run, folder)
     for epoch in refine_epochs:
         if epoch <= state["epoch"]:
             trainer.replace_model(refine(trainer.model))
+    try:
+        average = trainer.ema.module if trainer.ema else None
+        check_tensors(state, trainer.model, trainer.optimizer, average, trainer.sources)
+    except StateError as exc:
+        raise ConfigError(
+            f"cannot resume {folder}: its training state does not fit this run: {exc}."
+        ) from None
     trainer.load(state)
+    history = [EpochRecord(**r) for r in state["history"]]
     if trainer.procs.is_main:
-        LOGGER.info(f"resumed {folder} after epoch {state['epoch']} (optimizer step {trainer.step})")
-    return [EpochRecord(**r) for r in state["history"]]
+        removed = finish_epoch_outputs(folder, trainer.output, history)
+        cleaned = f"; removed {len(removed)} temporary file(s) of a killed write" if removed else ""
+        LOGGER.info(f"resumed {folder} after epoch {state['epoch']} (optimizer step {trainer.step}){cleaned}")
+    if trainer.procs.world_size > 1:
+        torch.distributed.barrier()
+    return history

@@ -20,6 +20,7 @@ from torch import nn
 
 from odeify.compiler.conversion import converted_stages, retarget
 from odeify.core.errors import ConfigError
+from odeify.numerics.tableaus import REVERSIBLE_SCHEMES
 from odeify.passes.source import drop_sources, source_values, stage_source
 
 __all__ = [
@@ -45,7 +46,7 @@ def for_training(model: fx.GraphModule, backward: str | Mapping[str, str] | None
 
 def memory_free_backward(model: fx.GraphModule, integrator: str | None = None) -> str | dict[str, str]:
     """A memory-free backward mode per stage: the one a stage has (unless ``integrator`` changes it),
-    else reversible for reversible Heun and checkpoint for any other integrator.
+    else reversible for a reversible integrator (ALF, reversible Heun) and checkpoint for any other.
 
     One mode for every stage comes back as a string: odeify's whole-model plan, which also
     recomputes the parts between the stages in backward.
@@ -56,7 +57,7 @@ def memory_free_backward(model: fx.GraphModule, integrator: str | None = None) -
         if stage.backward != "backprop" and integrator is None:
             modes[stage.stage_name] = stage.backward
         else:
-            modes[stage.stage_name] = "reversible" if name == "reversible_heun" else "checkpoint"
+            modes[stage.stage_name] = "reversible" if name in REVERSIBLE_SCHEMES else "checkpoint"
     return modes.popitem()[1] if len(set(modes.values())) == 1 else modes
 
 

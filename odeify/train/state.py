@@ -1,9 +1,14 @@
 """The record a fine-tuning run leaves in its folder, and the resumable training state's format.
 
 After every epoch a run writes, atomically and in this order: the training state
-(:data:`STATE_FILE`: model, weight average, optimizer, epoch, step, history and the run's settings in
-one safetensors file, no pickles), the model (:data:`LAST_FILE`, readable by ``odeify.load``),
-:data:`BEST_FILE` when validation accuracy improved, and :data:`HISTORY_FILE`.
+(:data:`STATE_FILE`: model, weight average, optimizer, epoch, step, history, the run's settings and
+what it started from, in one safetensors file, no pickles), then the epoch's outputs
+(:func:`write_epoch_outputs`): the model (:data:`LAST_FILE`, readable by ``odeify.load``),
+:data:`BEST_FILE` when validation accuracy improved, and :data:`HISTORY_FILE`. A run killed between
+the state and its outputs is finished by ``--resume``, which writes the outputs of the state's epoch
+again before it continues (:func:`finish_epoch_outputs`).
+
+The state is read with the discipline of a saved model's recipe (:mod:`odeify.train.state_schema`).
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import safetensors.torch
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from odeify.core.errors import ConfigError
-from odeify.core.fileio import atomic_write_bytes
+from odeify.core.fileio import atomic_write_bytes, read_header, read_json, read_tensors, remove_stale_temps
+from odeify.core.limits import MAX_STATE_BYTES
+from odeify.core.paths import input_file
+from odeify.serialization.io import save
 from odeify.train.recipe import Recipe
+from odeify.train.state_schema import STATE_VERSION, StateError, validate_record, validate_tensor_names
 
 if TYPE_CHECKING:
     from timm.utils import ModelEmaV3
@@ -36,10 +44,12 @@ __all__ = [
     "EpochRecord",
     "check_same_run",
     "ema_rng",
+    "finish_epoch_outputs",
     "read_record",
     "read_run",
     "read_state",
     "require_folder",
+    "write_epoch_outputs",
     "write_history",
     "write_state",
 ]
@@ -49,7 +59,7 @@ BEST_FILE = "best.safetensors"
 STATE_FILE = "train_state.safetensors"
 HISTORY_FILE = "history.json"
 STATE_KEY = "odeify_train_state"
-STATE_VERSION = 1
+RUN_FILES = (STATE_FILE, LAST_FILE, BEST_FILE, HISTORY_FILE)
 
 
 @dataclass
@@ -82,11 +92,19 @@ class TrainingRun(Protocol):
     step: int
 
 
-def write_state(path: Path, run: TrainingRun, epoch: int, history: list[EpochRecord], settings: dict) -> None:
+def write_state(
+    path: Path,
+    run: TrainingRun,
+    epoch: int,
+    history: list[EpochRecord],
+    settings: dict,
+    started_from: Mapping[str, Any] | None = None,
+) -> None:
     """Model, weight average and optimizer tensors and a JSON record in one safetensors file (no pickles).
 
     ``run`` is what trains (its ``model``, ``ema``, ``optimizer`` and ``step``); ``settings`` the run's
-    recorded settings, which a resume must match.
+    recorded settings, which a resume must match; ``started_from`` the fingerprint of the model,
+    teacher and data the run began with (:mod:`odeify.train.fingerprint`).
     """
     tensors = _prefixed("model.", run.model) | _prefixed("sources.", run.sources)
     if run.ema is not None:
@@ -110,6 +128,7 @@ def write_state(path: Path, run: TrainingRun, epoch: int, history: list[EpochRec
         "run": settings,
         "param_groups": optimizer["param_groups"],
         "optimizer_scalars": scalars,
+        "started_from": started_from,
     }
     data = safetensors.torch.save(tensors, metadata={STATE_KEY: json.dumps(record)})
     atomic_write_bytes(path, data)
@@ -118,6 +137,26 @@ def write_state(path: Path, run: TrainingRun, epoch: int, history: list[EpochRec
 def write_history(path: Path, history: list[EpochRecord]) -> None:
     """The run's history as JSON, one record per epoch (epoch 0: before fine-tuning)."""
     atomic_write_bytes(path, json.dumps([asdict(r) for r in history], indent=1).encode())
+
+
+def write_epoch_outputs(folder: Path, model: nn.Module, history: list[EpochRecord]) -> None:
+    """What follows the state after an epoch: ``last``, ``best`` if that epoch improved, the history."""
+    save(model, folder / LAST_FILE)
+    if history[-1].val_accuracy > max(h.val_accuracy for h in history[:-1]):
+        save(model, folder / BEST_FILE)
+    write_history(folder / HISTORY_FILE, history)
+
+
+def finish_epoch_outputs(folder: Path, model: nn.Module, history: list[EpochRecord]) -> list[Path]:
+    """Finish the write sequence of the state's epoch, which a kill may have cut short; returns the
+    temporary files of killed writers that were removed.
+
+    The outputs are written again from the state (the same bytes when they were complete), so a
+    run killed after its state and before ``last``/``best``/``history`` resumes with all of them.
+    """
+    removed = [p for name in RUN_FILES for p in remove_stale_temps(folder / name)]
+    write_epoch_outputs(folder, model, history)
+    return removed
 
 
 def _prefixed(prefix: str, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -130,26 +169,32 @@ def _unprefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, t
     return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
 
+def _cannot_resume(path: Path, problem: str) -> ConfigError:
+    return ConfigError(
+        f"cannot resume: {path}: {problem}; the file is damaged or was not written by odeify finetune."
+    )
+
+
 def read_record(path: Path) -> dict:
-    """The JSON record of the training state at ``path`` (epoch, history, run; no tensors read)."""
-    if not path.is_file():
-        raise ConfigError(
-            f"cannot resume: {path} does not exist. --resume continues a run whose --out folder holds the "
-            f"{STATE_FILE} written after each epoch; start without --resume to begin a new run."
-        )
+    """The JSON record of the training state at ``path`` (epoch, history, run; no tensors read), validated."""
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            record = json.loads((handle.metadata() or {})[STATE_KEY])
-    except Exception as exc:  # safetensors raises its own error types for malformed files
+        path = input_file(path, "the training state", error=ConfigError, example=STATE_FILE)
+    except ConfigError as exc:
         raise ConfigError(
-            f"cannot resume: {path} is not a training state written by odeify finetune ({exc})."
-        ) from exc
-    if not isinstance(record, dict) or record.get("version") != STATE_VERSION:
-        version = record.get("version") if isinstance(record, dict) else None
-        raise ConfigError(
-            f"cannot resume: {path} has training-state version {version}, this odeify reads version "
-            f"{STATE_VERSION}."
+            f"cannot resume: {exc}. --resume continues a run whose --out folder holds the {STATE_FILE} "
+            "written after each epoch; start without --resume to begin a new run."
+        ) from None
+    try:
+        header = read_header(path, ConfigError, "a training state written by odeify finetune")
+        record = read_json(
+            header.metadata.get(STATE_KEY), str(path), ConfigError, MAX_STATE_BYTES, "its record"
         )
+    except ConfigError as exc:
+        raise ConfigError(f"cannot resume: {exc}.") from None
+    try:
+        record = validate_record(record)
+    except StateError as exc:
+        raise _cannot_resume(path, str(exc)) from None
     record["run"] = _with_recipe_defaults(record["run"])
     return record
 
@@ -157,12 +202,13 @@ def read_record(path: Path) -> dict:
 def read_state(path: Path) -> dict:
     """The training state at ``path`` as plain dicts: model, average and optimizer state dicts, epoch, run."""
     record = read_record(path)
+    tensors = read_tensors(path, ConfigError, "a training state")
+    parameters = sum(len(group["params"]) for group in record["param_groups"])
     try:
-        tensors = safetensors.torch.load_file(str(path))
-    except Exception as exc:  # safetensors raises its own error types for malformed files
-        raise ConfigError(
-            f"cannot resume: {path} is not a training state written by odeify finetune ({exc})."
-        ) from exc
+        validate_tensor_names(list(tensors), parameters)
+        validate_tensor_names([f"optim.{i}.scalar" for i in record["optimizer_scalars"]], parameters)
+    except StateError as exc:
+        raise _cannot_resume(path, str(exc)) from None
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):

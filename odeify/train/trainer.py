@@ -27,23 +27,13 @@ from tqdm import tqdm
 from odeify.compiler.conversion import converted_stages
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import TrainingDiverged
-from odeify.serialization.io import save
 from odeify.train.distributed import Processes
 from odeify.train.evaluate import evaluate
 from odeify.train.manifestations import refine
 from odeify.train.parametrization import SourceCoordinates, param_groups
 from odeify.train.recipe import EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
-from odeify.train.state import (
-    BEST_FILE,
-    HISTORY_FILE,
-    LAST_FILE,
-    STATE_FILE,
-    EpochRecord,
-    ema_rng,
-    write_history,
-    write_state,
-)
+from odeify.train.state import STATE_FILE, EpochRecord, ema_rng, write_epoch_outputs, write_state
 
 if TYPE_CHECKING:
     from timm.utils import ModelEmaV3
@@ -155,14 +145,14 @@ class Trainer:
             where = f"epoch {epoch}, batch {index + 1}/{batches} (optimizer step {self.step + 1})"
             if not torch.isfinite(loss):
                 raise TrainingDiverged(
-                    f"fine-tuning stopped at {where}: the loss is {loss.item()}. {_ADVICE}"
+                    f"fine-tuning stopped at {where}: the loss is {loss.item()}. {_advice(x, y)}"
                 )
             self.sources.pull()
             grads = [p.grad for p in params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
             if not torch.isfinite(norm):
                 raise TrainingDiverged(
-                    f"fine-tuning stopped at {where}: {_bad_gradient(self.model)}. {_ADVICE}"
+                    f"fine-tuning stopped at {where}: {_bad_gradient(self.model)}. {_advice(x, y)}"
                 )
             if recipe.clip_grad_norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, recipe.clip_grad_norm, norm)
@@ -206,20 +196,18 @@ class Trainer:
         kl = F.kl_div(student, target, log_target=True, reduction="batchmean") * recipe.temperature**2
         return (1 - recipe.distill) * loss + recipe.distill * kl
 
-    def save(self, folder: Path, epoch: int, history: list[EpochRecord], run: dict, improved: bool) -> None:
-        """Write state, last, best (if ``improved``) and history on rank 0; every rank waits for it.
-
-        ``last`` and ``best`` hold :attr:`output` (the weight average when kept); the state holds both.
-        """
+    def save(
+        self, folder: Path, epoch: int, history: list[EpochRecord], run: dict, started_from: dict
+    ) -> None:
+        """Write the state, then last, best (if this epoch improved) and history, on rank 0; every rank
+        waits for it. ``last`` and ``best`` hold :attr:`output` (the weight average when kept); the
+        state holds both, and ``started_from`` (the run's fingerprint)."""
         if self.procs.is_main:
             _check_finite_weights(self.model, epoch)
             if self.ema is not None:
                 _check_finite_weights(self.output, epoch)
-            write_state(folder / STATE_FILE, self, epoch, history, run)
-            save(self.output, folder / LAST_FILE)
-            if improved:
-                save(self.output, folder / BEST_FILE)
-            write_history(folder / HISTORY_FILE, history)
+            write_state(folder / STATE_FILE, self, epoch, history, run, started_from)
+            write_epoch_outputs(folder, self.output, history)
         if self.procs.world_size > 1:
             dist.barrier()
 
@@ -237,10 +225,35 @@ class Trainer:
                 rng.set_state(state["ema_rng"])
 
 
+_NOTHING_SAVED = "Nothing from this epoch was saved: the files from the last completed epoch are untouched."
 _ADVICE = (
-    "Nothing from this epoch was saved: the files from the last completed epoch are untouched. Lower the "
-    "learning rate (--lr), keep gradient clipping on, or use a finer manifestation (more --steps)."
+    f"{_NOTHING_SAVED} Lower the learning rate (--lr), keep gradient clipping on, or use a finer "
+    "manifestation (more --steps)."
 )
+IGNORE_INDEX = -100  # cross-entropy's default: labels it skips
+LARGE_INPUT = 1e4  # inputs past this magnitude are not normalised images
+
+
+def _advice(x: torch.Tensor, y: torch.Tensor) -> str:
+    """What to do about a non-finite loss or gradient: fix the data when the batch is the cause, else
+    lower the learning rate. Runs only once training has stopped, never in the loop."""
+    if not bool(torch.isfinite(x).all()):
+        return (
+            f"The batch holds non-finite inputs (NaN or inf): check the data, not the learning rate. "
+            f"{_NOTHING_SAVED}"
+        )
+    if bool((y == IGNORE_INDEX).all()):
+        return (
+            f"Every label in the batch is the ignore index {IGNORE_INDEX}, so the loss averages over no "
+            f"sample: check the labels. {_NOTHING_SAVED}"
+        )
+    largest = float(x.abs().max())
+    if largest > LARGE_INPUT:
+        return (
+            f"The batch's inputs reach {largest:.3g} in magnitude: normalise the data (timm's transforms do) "
+            f"before lowering the learning rate. {_NOTHING_SAVED}"
+        )
+    return _ADVICE
 
 
 def _bad_gradient(model: nn.Module) -> str:

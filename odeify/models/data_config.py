@@ -1,0 +1,148 @@
+"""The data config a file may carry (input size, mean/std, crop, interpolation), checked where it enters.
+
+timm's data pipeline (``timm.data.resolve_model_data_config`` + ``create_transform``) reads these
+entries of a model's ``pretrained_cfg``. A checkpoint folder's ``config.json`` and a saved converted
+model carry them as data; a zero std, a mean of the wrong length, an input size of 0 or 1e308, an
+unknown interpolation or a NaN crop would reach evaluation as a traceback, or as an accuracy near
+chance with no word said. :func:`check_data_config` refuses each, naming the entry, wherever a file
+is read and before ``odeify.save`` writes one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from odeify.core.errors import ModelLoadError, OdeifyError
+from odeify.core.limits import MAX_DATA_CONFIG_BYTES, MAX_IN_CHANS, MAX_NUM_CLASSES, MAX_SIDE
+
+__all__ = ["DATA_CONFIG_KEYS", "INTERPOLATIONS", "check_data_config", "data_config_entries"]
+
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos", "random")  # timm's names
+CROP_MODES = ("center", "squash", "border")
+MAX_CROP = 2.0  # timm's largest crop_pct is 1.15 (volo_d5_512)
+
+
+def _int(lo: int, hi: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _size(v: object) -> bool:  # [C, H, W]
+    return (
+        isinstance(v, (list, tuple))
+        and len(v) == 3
+        and _int(1, MAX_IN_CHANS)(v[0])
+        and all(_int(1, MAX_SIDE)(x) for x in v[1:])
+    )
+
+
+def _channels(positive: bool) -> Callable[[object], bool]:
+    def check(v: object) -> bool:
+        ok = isinstance(v, (list, tuple)) and 1 <= len(v) <= MAX_IN_CHANS and all(_number(x) for x in v)
+        return ok and (not positive or all(x > 0 for x in v))  # type: ignore[union-attr]
+
+    return check
+
+
+def _text(limit: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, str) and len(v) <= limit and v.isprintable()
+
+
+def _crop(v: object) -> bool:
+    return _number(v) and 0 < v <= MAX_CROP  # type: ignore[operator]
+
+
+_ARCH = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
+
+_CHECKS: dict[str, tuple[type, Callable[[object], bool], str]] = {
+    "architecture": (str, lambda v: isinstance(v, str) and bool(_ARCH.fullmatch(v)), "a timm model name"),
+    "tag": (str, _text(64), "a short name"),
+    "input_size": (list, _size, f"[C, H, W] with C in [1, {MAX_IN_CHANS}] and H, W in [1, {MAX_SIDE}]"),
+    "test_input_size": (list, _size, f"[C, H, W] with C in [1, {MAX_IN_CHANS}] and H, W in [1, {MAX_SIDE}]"),
+    "min_input_size": (list, _size, f"[C, H, W] with C in [1, {MAX_IN_CHANS}] and H, W in [1, {MAX_SIDE}]"),
+    "fixed_input_size": (bool, lambda v: isinstance(v, bool), "true or false"),
+    "interpolation": (str, lambda v: v in INTERPOLATIONS, f"one of {', '.join(INTERPOLATIONS)}"),
+    "crop_pct": (float, _crop, f"a number in (0, {MAX_CROP}]"),
+    "test_crop_pct": (float, _crop, f"a number in (0, {MAX_CROP}]"),
+    "crop_mode": (str, lambda v: v in CROP_MODES, f"one of {', '.join(CROP_MODES)}"),
+    "mean": (list, _channels(False), f"1 to {MAX_IN_CHANS} finite numbers, one per channel"),
+    "std": (list, _channels(True), f"1 to {MAX_IN_CHANS} positive finite numbers, one per channel"),
+    "num_classes": (int, _int(0, MAX_NUM_CLASSES), f"an integer in [0, {MAX_NUM_CLASSES}]"),
+    "first_conv": (str, _text(100), "a module name"),
+    "classifier": (str, _text(100), "a module name"),
+    "pool_size": (
+        list,
+        lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_int(1, MAX_SIDE)(x) for x in v),
+        f"[H, W] in [1, {MAX_SIDE}]",
+    ),  # fmt: skip
+    "license": (str, _text(200), "a short text"),
+}
+DATA_CONFIG_KEYS: dict[str, type] = {key: kind for key, (kind, _, _) in _CHECKS.items()}
+"""The pretrained_cfg entries a file may carry (what timm.data and timm's heads read), with JSON types."""
+
+
+def data_config_entries(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a model's ``pretrained_cfg`` that a file keeps: known keys whose values have the
+    JSON type of :data:`DATA_CONFIG_KEYS` (tuples as lists, ints as floats where a float is meant).
+
+    Entries of other types (None, a tuple of classifier names) are not data config and are left out;
+    the values kept are checked by :func:`check_data_config` before they are written.
+    """
+    out: dict[str, Any] = {}
+    for key, kind in DATA_CONFIG_KEYS.items():
+        value = cfg.get(key)
+        if isinstance(value, tuple):
+            value = list(value)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+            out[key] = value
+    return out
+
+
+def check_data_config(
+    cfg: object,
+    where: str,
+    *,
+    error: type[OdeifyError] = ModelLoadError,
+    tuples: bool = True,
+    channels: int | None = None,
+) -> dict[str, Any]:
+    """``cfg`` (read from a file) if every entry is a known key with a sound value; else ``error``.
+
+    Returns a copy, lists as tuples (as timm holds them) unless ``tuples`` is False. The whole
+    config is at most 4 KiB of JSON; mean and std have one entry per input channel (or one for all):
+    the config's ``input_size`` channels or the model's own ``channels``.
+    """
+    if not isinstance(cfg, Mapping):
+        raise error(f"{where}: the data config must be an object, not {type(cfg).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if key not in _CHECKS:
+            raise error(f"{where}: unknown data config entry {key!r:.60} (known: {', '.join(_CHECKS)})")
+        _, check, expected = _CHECKS[key]
+        if not check(value):
+            raise error(f"{where}: the data config entry {key!r} must be {expected}, not {value!r:.80}")
+        out[key] = tuple(value) if tuples and isinstance(value, list) else value
+    known = sorted(
+        {*([out["input_size"][0]] if "input_size" in out else []), *([channels] if channels else [])}
+    )
+    for key in ("mean", "std"):
+        if key in out and known and len(out[key]) not in (1, *known):
+            raise error(
+                f"{where}: the data config's {key} has {len(out[key])} entries for inputs of "
+                f"{' or '.join(map(str, known))} channel(s); it needs one per channel (or one for all)"
+            )
+    if (
+        len(json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}))
+        > MAX_DATA_CONFIG_BYTES
+    ):
+        raise error(f"{where}: the data config is over {MAX_DATA_CONFIG_BYTES} bytes of JSON")
+    return out

@@ -1,0 +1,230 @@
+"""Reversible integrators as data: register programs that invert exactly.
+
+A reversible scheme keeps a few state registers and advances them by ops that each undo in closed
+form: ``Add`` (``target += times * source``), ``Reflect`` (``target = 2 * about - target``) and
+``Evaluate`` (a field increment ``[h/2 F(t, register)]``, read-only). ``backward='reversible'``
+(:mod:`odeify.runtime.reversible`) runs a scheme's program on a fixed-point lattice, where every
+register is an integer count and every increment is rounded before it is added, so undoing the ops
+in reverse order, each increment re-evaluated from the register it was computed from, rebuilds
+every state bit for bit. The step code in :mod:`odeify.codegen.emit` writes the same methods as
+readable float graphs for inference and ``backprop``.
+
+Two schemes ship (the runtime knows neither by name):
+
+- **reversible Heun** (Kidger et al. 2021, "Efficient and accurate gradients for neural SDEs"):
+  registers (y, z), two evaluations per step (one where consecutive steps can share it);
+- **the asynchronous leapfrog, ALF** (Zhuang et al. 2021, "MALI: A memory efficient and reverse
+  accurate integrator for Neural ODEs", ICLR; TorchDiffEqPack's ``Sym12Async`` with damping 1):
+  registers (z, p) with p = h/2 v, one evaluation per step, strictly inside it.
+
+A program is valid when every increment is used only while the register it was evaluated from
+is unchanged: then, walking back, the register holds the same bits when the increment is needed
+again. :func:`validate_scheme` checks that, and that each op names known registers and
+increments, when this module loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import ClassVar, Literal
+
+__all__ = [
+    "AsyncLeapfrog",
+    "Add",
+    "Evaluate",
+    "Op",
+    "Reflect",
+    "Register",
+    "ReversibleHeun",
+    "ReversibleScheme",
+    "validate_scheme",
+]
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """``into = [h/2 F(t_n + at * h, register)]`` (the left limit when ``left``): one field increment."""
+
+    register: str
+    at: Fraction
+    left: bool
+    into: str
+
+
+@dataclass(frozen=True)
+class Add:
+    """``target += times * source``, ``source`` a register or an increment; ``times`` a small integer."""
+
+    target: str
+    source: str
+    times: int = 1
+
+
+@dataclass(frozen=True)
+class Reflect:
+    """``target = 2 * about - target``, ``about`` a register or an increment (its own inverse)."""
+
+    target: str
+    about: str
+
+
+Op = Evaluate | Add | Reflect
+
+
+@dataclass(frozen=True)
+class Register:
+    """A state register: starting at the stage input or at zero.
+
+    ``kept`` says how the forward keeps its final value for backward: as its difference from the
+    output register (small where the two stay close, as reversible Heun's y and z do) or as itself.
+    ``lattice`` is its spacing: ``state``, the input's (the lattice's q), or ``increment``, finer by
+    about h L / 2, for a register that holds an increment-sized quantity (ALF's p = h/2 v): there
+    the input's spacing would round it ever more coarsely, relative to its size, as the steps get
+    smaller. Adding it to a state register rounds it to the state's spacing first (exactly undone,
+    since the same bits are rounded again going back).
+    """
+
+    name: str
+    start: Literal["input", "zero"]
+    kept: Literal["relative", "absolute"] = "absolute"
+    lattice: Literal["state", "increment"] = "state"
+
+
+class ReversibleScheme:
+    """What the lattice runtime reads of a reversible integrator (class attributes, no behaviour).
+
+    ``registers`` (the first is the output), ``start`` (ops run once before step 0, at t = 0) and
+    ``step`` (the ops of every step, times relative to the step). ``evals_per_step`` and
+    ``evals_at_start`` count the evaluations before any is shared, for the graph-size budget.
+    """
+
+    name: ClassVar[str]
+    order: ClassVar[int]
+    evals_per_step: ClassVar[int]
+    registers: ClassVar[tuple[Register, ...]]
+    step: ClassVar[tuple[Op, ...]]
+
+    @property
+    def start(self) -> tuple[Op, ...]:
+        return ()
+
+    @property
+    def evals_at_start(self) -> int:
+        return sum(isinstance(op, Evaluate) for op in self.start)
+
+    @property
+    def output(self) -> str:
+        return self.registers[0].name
+
+
+@dataclass(frozen=True)
+class ReversibleHeun(ReversibleScheme):
+    """The algebraically reversible Heun method (Kidger et al. 2021), order 2.
+
+    In registers (y, z), both starting at x, with a = [h/2 F(t_n, z_n)] and b = [h/2 F(t_{n+1}-, z_{n+1})]:
+    y += a; z = 2y - z (so z_{n+1} = 2 y_n - z_n + 2a); y += b. On a continuous weight path b and
+    the next step's a are one evaluation.
+    """
+
+    name: ClassVar[str] = "reversible_heun"
+    order: ClassVar[int] = 2
+    evals_per_step: ClassVar[int] = 2
+    registers: ClassVar[tuple[Register, ...]] = (Register("y", "input"), Register("z", "input", "relative"))
+    step: ClassVar[tuple[Op, ...]] = (
+        Evaluate("z", Fraction(0), False, "a"),
+        Add("y", "a"),
+        Reflect("z", "y"),
+        Evaluate("z", Fraction(1), True, "b"),
+        Add("y", "b"),
+    )
+
+
+@dataclass(frozen=True)
+class AsyncLeapfrog(ReversibleScheme):
+    """MALI's asynchronous leapfrog with damping 1 (Zhuang et al., ICLR 2021), order 2.
+
+    State (z, v); with p = h/2 v in the registers and a = [h/2 F(t_n + h/2, s)]:
+
+        s = z_n + p_n,   p_{n+1} = 2a - p_n,   z_{n+1} = s + p_{n+1}
+
+    so z_{n+1} = z_n + h F(t_n + h/2, z_n + h/2 v_n): a midpoint step whose predictor uses v
+    instead of a second evaluation. One evaluation per step, strictly inside it: on a
+    piecewise-constant weight path at native steps each step reads exactly its block.
+    ``initial_velocity``: v_0 = 0 (``"zero"``, the default: no extra evaluation, and at native
+    steps the first step is the first block's own Euler step) or v_0 = F(t_0, z_0) (``"field"``,
+    MALI's choice: one more evaluation per stage). docs/design.md section 7 has the measurements
+    behind the default.
+    """
+
+    initial_velocity: Literal["zero", "field"] = "zero"
+    order: ClassVar[int] = 2
+    evals_per_step: ClassVar[int] = 1
+    registers: ClassVar[tuple[Register, ...]] = (
+        Register("z", "input"),
+        Register("p", "zero", lattice="increment"),
+    )
+    step: ClassVar[tuple[Op, ...]] = (
+        Add("z", "p"),
+        Evaluate("z", Fraction(1, 2), False, "a"),
+        Reflect("p", "a"),
+        Add("z", "p"),
+    )
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "alf" if self.initial_velocity == "zero" else "alf_field_start"
+
+    @property
+    def start(self) -> tuple[Op, ...]:
+        if self.initial_velocity == "zero":
+            return ()
+        return (Evaluate("z", Fraction(0), False, "a"), Add("p", "a"))
+
+
+def validate_scheme(scheme: ReversibleScheme) -> None:
+    """Check a scheme's program: known names, and each increment used only while its register is unchanged.
+
+    Raises ``ValueError``: a scheme is code, not user input, so a failure here is a bug in its program.
+    """
+    registers = [r.name for r in scheme.registers]
+    if len(set(registers)) != len(registers):
+        raise ValueError(f"{scheme.name}: register names must be unique")
+    lattices = {r.name: r.lattice for r in scheme.registers}
+    if any(r.kept == "relative" and r.lattice != scheme.registers[0].lattice for r in scheme.registers):
+        raise ValueError(f"{scheme.name}: a register kept relative to the output must share its lattice")
+    for ops in (scheme.start, scheme.step):
+        for i, op in enumerate(ops):
+            if isinstance(op, Evaluate):
+                _check_increment(scheme.name, ops, i, lattices)
+            elif op.target not in registers or _source(op) == op.target:
+                raise ValueError(f"{scheme.name}: {op} changes an unknown register, or adds it to itself")
+            elif _source(op) not in registers and not any(
+                isinstance(e, Evaluate) and e.into == _source(op) for e in ops[:i]
+            ):
+                raise ValueError(f"{scheme.name}: {op} reads an increment not evaluated before it")
+
+
+def _source(op: Add | Reflect) -> str:
+    return op.source if isinstance(op, Add) else op.about
+
+
+def _check_increment(name: str, ops: tuple[Op, ...], i: int, lattices: dict[str, str]) -> None:
+    """The increment evaluated by ``ops[i]`` is used, only before its register next changes, and only
+    into registers of one lattice (it is rounded on theirs)."""
+    evaluate = ops[i]
+    assert isinstance(evaluate, Evaluate)
+    if lattices.get(evaluate.register) != "state" or evaluate.into in lattices or not 0 <= evaluate.at <= 1:
+        raise ValueError(f"{name}: {evaluate} reads an unknown or non-state register, or leaves its step")
+    writes = [(j, op) for j, op in enumerate(ops) if not isinstance(op, Evaluate)]
+    uses = [j for j, op in writes if _source(op) == evaluate.into]
+    changes = [j for j, op in writes if j > i and op.target == evaluate.register]
+    if not uses or (changes and max(uses) > min(changes)):
+        raise ValueError(f"{name}: increment {evaluate.into!r} is unused, or used after its register changes")
+    if len({lattices[ops[j].target] for j in uses}) > 1:
+        raise ValueError(f"{name}: increment {evaluate.into!r} is added to registers of two lattices")
+
+
+for _scheme in (ReversibleHeun(), AsyncLeapfrog(), AsyncLeapfrog("field")):
+    validate_scheme(_scheme)
+del _scheme

@@ -1,0 +1,178 @@
+"""The probe: a saved model proves at load time that it computes what was saved.
+
+A file's tensors can fit the model its recipe rebuilds while the rebuilt model computes something
+else (a build kwarg that changes the activation or the pooling, a stage entry missing from the
+recipe). So ``save`` runs the model on a fixed seeded input of the recorded input size (batch 1)
+and records, for each stage in graph order and for the whole model's output, a subsample of what
+it computed and how far that was from the same model in float64 (its own round-off, measured then).
+``load`` runs the rebuilt model in float64 on the same input and compares: every probe point must
+lie within :data:`FACTOR` times the round-off measured at save or at load (whichever is larger),
+and the first point past it is named. A changed function is off by orders of magnitude more.
+
+Why against float64: the same file loaded on another CPU computes with other kernels, whose float32
+results differ from the saving machine's by float32 round-off of the whole model, which depends on
+the CPU and on the model's conditioning. Both machines' float32 results lie within their measured
+round-off of the float64 result, so the check holds on any CPU without a fixed tiny constant.
+A float64 model has no wider reference: its round-off is estimated as its float32 copy's, scaled by
+the ratio of the two dtypes' unit round-offs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from odeify.compiler.conversion import converted_stages
+from odeify.compiler.record import META
+from odeify.core.dtypes import model_dtype
+from odeify.core.errors import ModelLoadError
+from odeify.ir.meta import node_tag
+from odeify.serialization.schema import PROBE_OUTPUT
+
+__all__ = ["FACTOR", "PROBE_PREFIX", "PROBE_SEED", "check_probe", "record_probe"]
+
+PROBE_SEED = 0
+PROBE_PREFIX = "@probe/"  # tensor names of the probe values in the file ('@' is in no parameter name)
+PROBE_VALUES = 4096  # at most this many values per point, evenly strided over the flattened output
+ULPS_FLOOR = 8  # a point's round-off is taken as at least 8 ulps of its dtype at its largest value
+FACTOR = 4.0
+"""A loaded model's float64 probe may be FACTOR x the larger measured round-off from the saved values.
+
+In theory the distance is at most the saving machine's round-off plus float64's, about 1x. Measured
+on AMD EPYC, loading with another convolution implementation than the one that saved (oneDNN off,
+as another CPU's kernels would be): at most 1.0x on the digits model, resnet18 and resnet50 at
+64x64, while their float32 results differ from the saved ones by up to 2.8e-3 (resnet50 layer4).
+FACTOR leaves room for the estimated round-off of float64 models. A changed function (another
+activation, pooling, depth, integrator or step count) is 1.7e4x to 1.3e5x past the allowance on the
+digits model (tests/test_probe.py, tests/hostile_files.py)."""
+
+
+def record_probe(model: nn.Module) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    """The probe record (seed, points with their round-off) and its tensors, of a converted model.
+
+    None when the model has nothing to probe (no stage output and no tensor output in its graph).
+    """
+    values, errors = _measure(model)
+    if not values:
+        return None, {}
+    points = [[name, errors[name]] for name in values]
+    tensors = {PROBE_PREFIX + name: value.contiguous() for name, value in values.items()}
+    return {"seed": PROBE_SEED, "points": points}, tensors
+
+
+def check_probe(
+    model: nn.Module, record: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], where: str
+) -> None:
+    """Refuse a loaded ``model`` whose probe is past round-off from the saved one; name the first point."""
+    saved = {name: tensors.get(PROBE_PREFIX + name) for name, _ in record["points"]}
+    values, errors = _measure(model, seed=record["seed"], reference=True)
+    for name, saved_error in record["points"]:
+        value, mine = saved[name], values.get(name)
+        if value is None or mine is None or value.shape != mine.shape or value.dtype != model_dtype(model):
+            raise ModelLoadError(
+                f"{where}: the saved probe of {_label(name)} does not fit the model its recipe rebuilds "
+                f"(saved {None if value is None else tuple(value.shape)}, rebuilt "
+                f"{None if mine is None else tuple(mine.shape)}); the file is damaged or was altered"
+            )
+        distance = float((value.double() - mine).abs().max())
+        allowed = FACTOR * max(saved_error, errors[name])
+        if not distance <= allowed:  # NaN fails too
+            raise ModelLoadError(
+                f"{where}: the rebuilt model does not compute what was saved: at {_label(name)} its output "
+                f"is {distance:.3g} from the saved one, over the {allowed:.3g} that round-off allows (the "
+                "first difference is there or before it). The recipe or the tensors were altered, or this "
+                "odeify, torch or timm builds the architecture differently; convert the source again."
+            )
+
+
+def _label(name: str) -> str:
+    return "the model's output" if name == PROBE_OUTPUT else f"stage {name!r}"
+
+
+def _measure(
+    model: nn.Module, seed: int = PROBE_SEED, reference: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Each point's values at ``model``'s dtype (float64 with ``reference``) and its measured round-off."""
+    dtype = model_dtype(model)
+    shape = tuple(model.meta[META]["input_shape"])
+    x = torch.randn((1, *shape[1:]), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    own = _points(_on_cpu(model), x)
+    exact = _points(_on_cpu(model, torch.float64), x.double())
+    if dtype == torch.float64:  # no wider reference: float32's round-off, scaled to float64's unit round-off
+        low = _points(_on_cpu(model, torch.float32), x.float())
+        scale = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+        errors = {k: scale * _distance(low[k], exact[k]) for k in exact}
+    else:
+        errors = {k: _distance(own[k], exact[k]) for k in exact}
+    floor = {k: ULPS_FLOOR * torch.finfo(dtype).eps * float(exact[k].abs().max()) for k in exact}
+    errors = {k: max(errors[k], floor[k]) for k in exact}
+    return (exact if reference else own), errors
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def _on_cpu(model: nn.Module, dtype: torch.dtype | None = None) -> fx.GraphModule:
+    """An eval-mode copy of ``model`` on the CPU (in ``dtype``), so the probe never changes the caller's.
+
+    Its parameters and buffers are copied straight to the CPU: a model training on a GPU is never
+    duplicated on the GPU, whose memory it may fill.
+    """
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(param.detach().to("cpu", copy=True), param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = buffer.detach().to("cpu", copy=True)
+    twin = copy.deepcopy(model, memo).cpu().eval()
+    return twin.to(dtype) if dtype is not None else twin
+
+
+@torch.no_grad()
+def _points(model: fx.GraphModule, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The subsampled output of each stage (graph order) and of the model, on input ``x``."""
+    watched = _stage_outputs(model)
+    found: dict[str, torch.Tensor] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            result = super().run_node(node)
+            if node in watched and isinstance(result, torch.Tensor):
+                found[watched[node]] = _subsample(result)
+            return result
+
+    out = Recorder(model).run(x)
+    if isinstance(out, torch.Tensor):
+        found[PROBE_OUTPUT] = _subsample(out)
+    return found
+
+
+def _stage_outputs(model: fx.GraphModule) -> dict[fx.Node, str]:
+    """Each stage's output node in ``model``'s graph: its call, or the last node of its inlined steps."""
+    names = {stage.stage_name for stage in converted_stages(model)}
+    members: dict[str, list[fx.Node]] = {}
+    for node in model.graph.nodes:
+        stage = node_tag(node).stage
+        if stage in names:
+            members.setdefault(stage, []).append(node)
+    outputs = {}
+    for stage, nodes in members.items():
+        inside = set(nodes)
+        leaving = [n for n in nodes if any(user not in inside for user in n.users)]
+        if leaving:
+            outputs[leaving[-1]] = stage
+    return outputs
+
+
+def _subsample(tensor: torch.Tensor) -> torch.Tensor:
+    """At most PROBE_VALUES entries of ``tensor``, evenly strided over its flattened values."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() <= PROBE_VALUES:
+        return flat.clone()
+    index = torch.linspace(0, flat.numel() - 1, PROBE_VALUES, dtype=torch.float64).round().long()
+    return flat[index].clone()
