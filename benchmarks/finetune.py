@@ -1,290 +1,448 @@
-"""Benchmark: which fine-tuning recipe recovers a coarse manifestation's accuracy, and at what cost.
+"""Benchmark: which fine-tuning recipe brings coarse manifestations of user-like models back.
 
-On the shipped digits model (odeify/data/digits_resnet.safetensors), for the four manifestations
-of issue 11's table, each trained memory-free:
+On the corpus of ``benchmarks/corpus.py`` (docs/corpus.md: timm resnet18, resnet26d and resnetv2_18
+trained as a user's quick train.py run, on an ImageFolder of 32x32 digits, and the three digits
+models of ``examples/train_digits.py``), for each model and each manifestation below, each
+candidate recipe runs ``odeify.train.finetune.finetune`` (the loop ``odeify finetune`` runs) from
+the model's coarse manifestation, with no teacher argument (the default teacher: the source
+network the model keeps):
 
 - Euler, 1 step per stage, ``backward='checkpoint'``;
 - rk4, 1 step per stage, ``backward='reverse'``;
 - reversible Heun, half the native steps, ``backward='reversible'``;
 - linear basis, 2 knots per stage, Euler at native steps, ``backward='reverse'``;
+- ALF at the native steps, ``backward='reversible'``, where this odeify has the integrator (at half
+  the steps ALF's one midpoint evaluation falls on a jump of the constant weight path, which
+  odeify refuses).
 
-every candidate recipe is run with ``odeify.train.finetune.finetune`` (the loop ``odeify finetune``
-runs) from the same starting model, and the script reports test accuracy before and after the
-recipe's epochs (the last epoch's model, not the best one: the test split picks nothing; with a
-weight average, the average's, then the last step's weights'), the time per epoch, and the bytes
-each manifestation keeps for backward in one training step next to plain backprop through the same
-manifestation. The recipe that meets the target on all four
-(within 0.5 point of the source model, never below the start) at the lowest cost becomes
-``odeify.train.finetune.DEFAULT_RECIPE``. Writes benchmarks/results/finetune.md and finetune.png.
+and the one-step check: one optimizer step of the recipe (``epochs=1, max_batches=1``: the whole
+schedule is that step, at the peak learning rate) on the converted model at native depth. Every run
+reports validation accuracy before and after (the last epoch's model: the validation split selects
+nothing). Target: every run ends within 0.5 point of the source and never below its start; one
+step changes accuracy by less than 1 point. ``--via cli`` runs the same through
+``odeify finetune FILE --data DIR --out RUN`` plus the manifestation flags (FILE: the converted
+model, saved once, with the corpus's 32x32 data config for the timm models).
 
-    python benchmarks/finetune.py                 # all candidates (10 minutes on 1 thread, quiet machine)
-    python benchmarks/finetune.py --only default  # the default recipe only
-    python benchmarks/finetune.py --only default --seeds 8 --output benchmarks/results/finetune_seeds.md
-    python benchmarks/finetune.py --only ema --seeds 8 --output benchmarks/results/finetune_ema_seeds.md
+Runs are cached, one JSON line each, in ``--cache`` (default out/finetune_bench/runs.jsonl): an
+interrupted sweep resumes where it stopped, and ``--report`` rewrites the results file from the
+cache without running anything. Each run is its own process with one torch thread; ``--jobs 2``
+runs two at a time.
 
-Models like the shipped one (the same net trained with another seed by examples/train_digits.py):
-
-    python examples/train_digits.py --seed 1 --out /tmp/digits_seed1.safetensors
-    python benchmarks/finetune.py --only default --seeds 4 --model /tmp/digits_seed1.safetensors \
-        --output benchmarks/results/finetune_digits_seed1.md
+    python benchmarks/finetune.py --recipes all --seeds 1            # every candidate, seed 0
+    python benchmarks/finetune.py --recipes default --seeds 4        # the acceptance runs (Python)
+    python benchmarks/finetune.py --recipes default --seeds 4 --via cli
+    python benchmarks/finetune.py --report                           # the results file, from the cache
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
-import torch
 from machine import command_line, describe_machine
-from matplotlib.figure import Figure
 from tables import markdown_table
 
-import odeify
-from odeify.core.errors import OdeifyError
-from odeify.core.fileio import atomic_path, atomic_write_bytes
-from odeify.models import DEFAULT_MODEL_PATH
-from odeify.models.checkpoints import read_checkpoint_metadata
-from odeify.models.digits import META_DIGITS
-from odeify.train.datasets import open_data
-from odeify.train.evaluate import evaluate, saved_for_backward
-from odeify.train.finetune import DEFAULT_RECIPE, Recipe, finetune
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+CORPUS = REPO / "out" / "corpus"
+CACHE = REPO / "out" / "finetune_bench" / "runs.jsonl"
+MODELS = ("resnet18", "resnet26d", "resnetv2_18", "digits_seed0", "digits_seed1", "digits_seed2")
+TARGET_GAP = 0.5  # points: within 0.5 point of the source's accuracy
+ONE_STEP_LIMIT = 1.0  # points: one step changes accuracy by less than this
+ONE_STEP = "one step, native depth"
+MANIFESTATIONS: dict[str, dict[str, Any]] = {
+    "Euler, 1 step": {"steps": 1, "backward": "checkpoint"},
+    "rk4, 1 step": {"integrator": "rk4", "steps": 1, "backward": "reverse"},
+    "rev. Heun, half steps": {"integrator": "reversible_heun", "steps": "x0.5", "backward": "reversible"},
+    "linear, 2 knots": {"basis": "linear", "knots": 2, "backward": "reverse"},
+    "ALF, native steps": {"integrator": "alf", "steps": "native", "backward": "reversible"},
+}
+CLI_FLAGS = {"integrator": "--integrator", "steps": "--steps", "knots": "--knots", "basis": "--basis"}
 
-RESULTS = Path(__file__).resolve().parent / "results"
-TARGET_GAP = 0.005  # within 0.5 point of the source model's accuracy
-MANIFESTATIONS = {
-    "Euler, 1 step per stage (checkpoint)": {"steps": 1, "backward": "checkpoint"},
-    "rk4, 1 step per stage (reverse)": {"integrator": "rk4", "steps": 1, "backward": "reverse"},
-    "reversible Heun, half the steps (reversible)": {
-        "integrator": "reversible_heun",
-        "steps": "x0.5",
-        "backward": "reversible",
-    },
-    "linear basis, 2 knots, Euler native (reverse)": {"basis": "linear", "knots": 2, "backward": "reverse"},
-}
-CE = replace(DEFAULT_RECIPE, distill=0.0)
-CANDIDATES = {  # label: recipe; all start from the same coarse model and use seed 0
-    "issue baseline: Adam 1e-3, no schedule, cross-entropy": Recipe(
-        epochs=3, optimizer="adam", lr=1e-3, warmup=0.0, weight_decay=0.0, clip_grad_norm=None, distill=0.0
-    ),
-    "AdamW 1e-3, warm-up + cosine, cross-entropy": CE,
-    "AdamW 3e-4, warm-up + cosine, cross-entropy": replace(CE, lr=3e-4),
-    "AdamW 3e-4, warm-up + cosine, cross-entropy, 5 epochs": replace(CE, lr=3e-4, epochs=5),
-    "SGD 0.01 + momentum, warm-up + cosine, cross-entropy, 5 epochs": replace(
-        CE, optimizer="momentum", lr=1e-2, epochs=5
-    ),
-    "AdamW 1e-3, warm-up + cosine, half distillation": replace(DEFAULT_RECIPE, distill=0.5),
-    "AdamW 3e-4, warm-up + cosine, distillation": replace(DEFAULT_RECIPE, lr=3e-4),
-    "default: AdamW 1e-3, warm-up + cosine, distillation": DEFAULT_RECIPE,
-    "AdamW 1e-3, warm-up + cosine, distillation, weight EMA (decay <= 0.999)": replace(
-        DEFAULT_RECIPE, ema_decay=0.999
-    ),
-    "AdamW 1e-3, warm-up + cosine, distillation, weight EMA (decay <= 0.9)": replace(
-        DEFAULT_RECIPE, ema_decay=0.9
-    ),
-}
-REPEATED = (  # the best recipes, run over --seeds seeds
-    "AdamW 1e-3, warm-up + cosine, cross-entropy",
-    "default: AdamW 1e-3, warm-up + cosine, distillation",
-    "AdamW 1e-3, warm-up + cosine, distillation, weight EMA (decay <= 0.999)",
-    "AdamW 1e-3, warm-up + cosine, distillation, weight EMA (decay <= 0.9)",
-)
+
+def candidates() -> dict[str, Any]:
+    """The recipes compared, by label: odeify's DEFAULT_RECIPE and variants of the recipe before issue 20.
+
+    The variants are spelled out, not derived from DEFAULT_RECIPE, so that cached runs keep their
+    labels when the default changes.
+    """
+    from odeify.train.finetune import DEFAULT_RECIPE, Recipe
+
+    before = Recipe(epochs=3, batch_size=64, lr=1e-3, warmup=0.1, weight_decay=0.05, distill=1.0)
+    return {
+        "default": DEFAULT_RECIPE,
+        "lr 1e-3 (before)": before,
+        "lr 3e-4": replace(before, lr=3e-4),
+        "lr 2e-4": replace(before, lr=2e-4),
+        "lr 1e-4": replace(before, lr=1e-4),
+        "lr 5e-5": replace(before, lr=5e-5),
+        "lr 1e-4, 5 epochs": replace(before, lr=1e-4, epochs=5),
+        "lr 2e-4, half distillation": replace(before, lr=2e-4, distill=0.5),
+        "lr 2e-4, no warm-up": replace(before, lr=2e-4, warmup=0.0),
+        "lr 2e-4, warm-up 0.3": replace(before, lr=2e-4, warmup=0.3),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# One run, in its own process
+
+
+def _native(model: str, corpus: Path):
+    """The converted model at native depth and its data; the timm models get their 32x32 data config."""
+    import odeify
+    from odeify.models import DEFAULT_MODEL_PATH
+    from odeify.train.datasets import open_data
+
+    if model.startswith("digits"):
+        path = DEFAULT_MODEL_PATH if model == "digits_seed0" else corpus / f"{model}.safetensors"
+        native = odeify.convert(str(path))
+        return native, open_data("digits", native), path
+    entry = json.loads((corpus / "corpus.json").read_text())["models"][model]
+    path = corpus / entry["forms"]["hf"]
+    native = odeify.convert(str(path), input_size=tuple(entry["data_config"]["input_size"]))
+    config = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["data_config"].items()}
+    native.pretrained_cfg = {**native.pretrained_cfg, **config}  # issue 21: timm's 224 otherwise
+    return native, open_data(corpus / "digits_png", native), path
+
+
+def _source_accuracy(model: str, corpus: Path) -> float:
+    import odeify
+    from odeify.train.datasets import make_loader
+    from odeify.train.evaluate import evaluate
+
+    native, data, path = _native(model, corpus)
+    source = odeify.load_model(path).eval()
+    return evaluate(source, make_loader(data.val, 256, train=False)).accuracy
+
+
+def run_python(key: dict[str, Any], corpus: Path) -> dict[str, Any]:
+    """One fine-tuning run through the Python API, no teacher argument."""
+    import odeify
+    from odeify.train.finetune import Recipe, finetune
+
+    recipe = Recipe(**key["recipe"])
+    native, data, _ = _native(key["model"], corpus)
+    if key["manifestation"] == ONE_STEP:
+        model, recipe, batches = native, replace(recipe, epochs=1), 1
+    else:
+        model, batches = odeify.retarget(native, **MANIFESTATIONS[key["manifestation"]]), None
+    result = finetune(model, data, recipe, seed=key["seed"], max_batches=batches, progress=False)
+    return {"history": [asdict(r) for r in result.history]}
+
+
+def run_cli(key: dict[str, Any], corpus: Path, work: Path) -> dict[str, Any]:
+    """One run of ``odeify finetune FILE --data DIR --out RUN`` with the manifestation's flags."""
+    file, data = _cli_file(key["model"], corpus, work)
+    run = work / "cli" / "_".join(str(key[k]) for k in ("model", "manifestation", "seed")).replace(" ", "")
+    run = run.with_name(run.name.replace(",", "").replace(".", ""))
+    if run.exists():
+        subprocess.run(["rm", "-rf", str(run)], check=True)
+    command = [sys.executable, "-m", "odeify", "finetune", str(file), "--data", data, "--out", str(run)]
+    command += ["--seed", str(key["seed"])]
+    if key["recipe"]["batch_size"] != _default_recipe()["batch_size"]:
+        command += ["--batch-size", str(key["recipe"]["batch_size"])]
+    if key["manifestation"] == ONE_STEP:
+        command += ["--epochs", "1", "--max-batches", "1"]
+    else:
+        settings = MANIFESTATIONS[key["manifestation"]]
+        command += [x for k, v in settings.items() for x in ((CLI_FLAGS.get(k, f"--{k}"), str(v)))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return {"history": json.loads((run / "history.json").read_text()), "command": command[1:]}
+
+
+def _cli_file(model: str, corpus: Path, work: Path) -> tuple[Path, str]:
+    """The converted model the CLI runs start from (saved once) and its --data."""
+    import odeify
+    from odeify.core.fileio import atomic_path
+
+    file = work / "files" / f"{model}.safetensors"
+    if not file.exists():
+        native, _, _ = _native(model, corpus)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(file) as tmp:
+            odeify.save(native, tmp)
+    return file, ("digits" if model.startswith("digits") else str(corpus / "digits_png"))
+
+
+def _child(argv: list[str]) -> None:
+    """``--child KEY CORPUS WORK``: one run; prints its result as one JSON line."""
+    import torch
+
+    torch.set_num_threads(1)
+    key, corpus, work = json.loads(argv[0]), Path(argv[1]), Path(argv[2])
+    wall, cpu = time.perf_counter(), time.process_time()
+    if key["via"] == "source":
+        result = {"accuracy": _source_accuracy(key["model"], corpus)}
+    elif key["via"] == "cli":
+        result = run_cli(key, corpus, work)
+    else:
+        result = run_python(key, corpus)
+    result.update(wall=time.perf_counter() - wall, cpu=time.process_time() - cpu)
+    print(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sweep: which runs, the cache, two processes at a time
+
+
+def _key(**parts: Any) -> dict[str, Any]:
+    return {k: parts.get(k) for k in ("via", "model", "recipe", "manifestation", "seed")}
+
+
+def _key_text(key: dict[str, Any]) -> str:
+    return json.dumps(key, sort_keys=True)
+
+
+def read_cache(path: Path) -> dict[str, dict[str, Any]]:
+    """Every completed run in the cache, by key (a line cut short by a kill is skipped)."""
+    found = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            found[_key_text(entry["key"])] = entry
+    return found
+
+
+def _available_manifestations() -> list[str]:
+    from odeify.numerics.tableaus import KNOWN_INTEGRATORS
+
+    return [m for m, s in MANIFESTATIONS.items() if s.get("integrator", "euler") in KNOWN_INTEGRATORS]
+
+
+def planned(args: argparse.Namespace) -> list[dict[str, Any]]:
+    labels = list(candidates()) if args.recipes == ["all"] else args.recipes
+    recipes = [candidates()[label] for label in labels]
+    if args.batch_size is not None:  # quick tries on a tiny corpus (benchmarks/corpus.py --quick)
+        recipes = [replace(r, batch_size=args.batch_size) for r in recipes]
+    recipes = [asdict(r) for r in recipes]
+    keys = [_key(via="source", model=m) for m in args.models]
+    wanted = args.manifestations or [ONE_STEP, *MANIFESTATIONS]
+    for via in args.via:
+        for recipe in recipes:
+            for seed in range(args.seeds):
+                for model in args.models:
+                    for manifestation in [m for m in [ONE_STEP, *_available_manifestations()] if m in wanted]:
+                        keys.append(
+                            _key(via=via, model=model, recipe=recipe, manifestation=manifestation, seed=seed)
+                        )
+    return list({_key_text(key): key for key in keys}.values())  # a candidate may equal the default
+
+
+def sweep(args: argparse.Namespace) -> None:
+    done = read_cache(args.cache)
+    todo = [key for key in planned(args) if _key_text(key) not in done]
+    print(f"{len(todo)} runs to do ({len(done)} cached in {args.cache})", file=sys.stderr)
+    args.cache.parent.mkdir(parents=True, exist_ok=True)
+    work = args.cache.parent
+
+    def one(key: dict[str, Any]) -> None:
+        command = [sys.executable, __file__, "--child", json.dumps(key), str(args.corpus), str(work)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
+        if out.returncode != 0:
+            print(f"FAILED {key}: {out.stderr[-2000:]}", file=sys.stderr)
+            return
+        entry = {"key": key, **json.loads(out.stdout.strip().splitlines()[-1])}
+        with args.cache.open("a") as handle:  # one line per run, appended whole
+            handle.write(json.dumps(entry) + "\n")
+        print(f"{_label(key)}: {_change(entry)} ({entry['wall']:.0f} s)", file=sys.stderr)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(one, todo))
+
+
+def _label(key: dict[str, Any]) -> str:
+    parts = {**key, "recipe": recipe_label(key["recipe"]) if key["recipe"] else None}
+    return " | ".join(
+        str(parts[k]) for k in ("via", "model", "recipe", "manifestation", "seed") if parts[k] is not None
+    )
+
+
+def recipe_label(recipe: dict[str, Any]) -> str:
+    """The candidate's label for a recipe (runs are cached by the recipe itself, not its label).
+
+    A batch size set by ``--batch-size`` is named after the label.
+    """
+    batch = recipe["batch_size"]
+    found = [label for label, r in candidates().items() if asdict(replace(r, batch_size=batch)) == recipe]
+    if not found:
+        return json.dumps(recipe)
+    return found[0] + ("" if batch == _default_recipe()["batch_size"] else f", batch {batch}")
+
+
+def _default_recipe() -> dict[str, Any]:
+    from odeify.train.finetune import DEFAULT_RECIPE
+
+    return asdict(DEFAULT_RECIPE)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The report
+
+
+def _accuracies(entry: dict[str, Any]) -> tuple[float, float]:
+    history = entry["history"]
+    return 100 * history[0]["val_accuracy"], 100 * history[-1]["val_accuracy"]
+
+
+def _change(entry: dict[str, Any]) -> str:
+    if "accuracy" in entry:
+        return f"{100 * entry['accuracy']:.2f}"
+    before, after = _accuracies(entry)
+    return f"{before:.2f} -> {after:.2f}"
+
+
+def _meets(entry: dict[str, Any], source: float) -> bool:
+    before, after = _accuracies(entry)
+    if entry["key"]["manifestation"] == ONE_STEP:
+        return abs(after - before) < ONE_STEP_LIMIT
+    return after >= source - TARGET_GAP - 1e-9 and after >= before - 1e-9
+
+
+def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None) -> list[str]:
+    entries = list(cache.values())
+    sources = {e["key"]["model"]: 100 * e["accuracy"] for e in entries if e["key"]["via"] == "source"}
+    runs = [e for e in entries if e["key"]["via"] != "source" and e["key"]["model"] in sources]
+    val = json.loads((corpus / "corpus.json").read_text())["data"]["val"]
+    columns = [ONE_STEP, *[m for m in MANIFESTATIONS if any(e["key"]["manifestation"] == m for e in runs)]]
+    lines = [
+        "# Fine-tuning recipe on the corpus of user-like models",
+        "",
+        f"Command: `{command_line(__file__)}`" + (f" ({seconds / 60:.0f} min)" if seconds else "") + "  ",
+        f"Machine: {describe_machine()}",
+        "",
+        "Each run starts from the converted model in the column's manifestation and runs "
+        "`odeify.train.finetune.finetune` (Python) or `odeify finetune FILE --data DIR --out RUN` plus the "
+        "manifestation's flags (CLI), with no teacher given: the default teacher is the source network the "
+        f"model keeps. Cells: validation accuracy before -> after (the last epoch's model, %; {val} "
+        f"validation images, one is {100 / val:.2f} point). Target: within {TARGET_GAP} point of the source "
+        "and never below the start; "
+        f"'{ONE_STEP}': one optimizer step at the peak learning rate changes accuracy by less than "
+        f"{ONE_STEP_LIMIT} point. A bold cell misses its target. Sources: "
+        + ", ".join(f"{m} {a:.2f}%" for m, a in sources.items())
+        + ".",
+        "",
+    ]
+    for via in ("python", "cli"):
+        recipes = list(dict.fromkeys(json.dumps(e["key"]["recipe"]) for e in runs if e["key"]["via"] == via))
+        for recipe in map(json.loads, recipes):
+            chosen = [e for e in runs if e["key"]["via"] == via and e["key"]["recipe"] == recipe]
+            seeds = sorted({e["key"]["seed"] for e in chosen})
+            met = sum(_meets(e, sources[e["key"]["model"]]) for e in chosen)
+            where = "Python API" if via == "python" else "command line"
+            lines += [f"## {recipe_label(recipe)} ({where}; seeds {', '.join(map(str, seeds))})", ""]
+            lines += [f"Recipe: `{_recipe_text(recipe)}`.", ""]
+            lines += [f"{met} of {len(chosen)} runs meet their target.", ""]
+            rows = []
+            for model in sources:
+                for seed in seeds:
+                    cells = []
+                    for column in columns:
+                        found = [e for e in chosen if e["key"]["model"] == model and e["key"]["seed"] == seed
+                                 and e["key"]["manifestation"] == column]  # fmt: skip
+                        if not found:
+                            cells.append("")
+                            continue
+                        text = _change(found[0])
+                        cells.append(text if _meets(found[0], sources[model]) else f"**{text}**")
+                    if any(cells):
+                        rows.append((model, str(seed), *cells))
+            lines += markdown_table(("model", "seed", *columns), rows, text_columns=2)
+            lines.append("")
+            times = [e["wall"] for e in chosen if e["key"]["manifestation"] != ONE_STEP]
+            if times:
+                lines += [
+                    f"Wall seconds per run: median {statistics.median(times):.0f}, max {max(times):.0f}.",
+                    "",
+                ]
+    lines += _cli_agreement(runs)
+    return lines
+
+
+def _recipe_text(recipe: dict[str, Any]) -> str:
+    changed = {k: v for k, v in recipe.items() if v != _default_recipe()[k]}
+    return "Recipe(" + ", ".join(f"{k}={v!r}" for k, v in (changed or recipe).items()) + ")"
+
+
+def _cli_agreement(runs: list[dict[str, Any]]) -> list[str]:
+    """Whether each CLI run's accuracies equal the Python run's with the same key."""
+    python = {_key_text({**e["key"], "via": None}): e for e in runs if e["key"]["via"] == "python"}
+    pairs = [(e, python.get(_key_text({**e["key"], "via": None}))) for e in runs if e["key"]["via"] == "cli"]
+    pairs = [(c, p) for c, p in pairs if p is not None]
+    if not pairs:
+        return []
+    same = sum(
+        [h["val_accuracy"] for h in c["history"]] == [h["val_accuracy"] for h in p["history"]]
+        for c, p in pairs
+    )
+    return [
+        f"CLI and Python runs of the same model, recipe, manifestation and seed: {same} of {len(pairs)} have "
+        "identical validation accuracies at every epoch.",
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return _child(argv[1:])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--only",
-        choices=["default", "ema", "all"],
-        default="all",
-        help="which recipes to run: the default, those with a weight average (EMA), or all",
+        "--recipes", type=lambda s: s.split(","), default=["default"], help="labels, or 'all'"
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady when busy)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for the repeated recipes")
-    parser.add_argument("--output", type=Path, default=RESULTS / "finetune.md", help="Markdown and .png")
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     parser.add_argument(
-        "--model",
-        type=Path,
-        default=DEFAULT_MODEL_PATH,
-        help="the trained digits model to convert (default: the shipped one)",
+        "--manifestations",
+        type=lambda s: s.split(";"),
+        help=f"labels separated by ';' (default: all): {ONE_STEP!r}; " + "; ".join(map(repr, MANIFESTATIONS)),
     )
+    parser.add_argument("--seeds", type=int, default=4, help="seeds 0..N-1 (default 4)")
+    parser.add_argument("--via", type=lambda s: s.split(","), default=["python"], help="python, cli or both")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one torch thread each")
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--cache", type=Path, default=CACHE)
+    parser.add_argument("--output", type=Path, default=RESULTS / "finetune.md")
+    parser.add_argument(
+        "--batch-size", type=int, help="every recipe's batch size (quick tries on a tiny corpus)"
+    )
+    parser.add_argument("--report", action="store_true", help="only write the results file from the cache")
     args = parser.parse_args(argv)
-    if args.seeds < 1:
-        parser.error("--seeds must be at least 1")
-    seeds = range(args.seeds)
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-
-    try:
-        source = odeify.load_model(args.model)
-    except OdeifyError as error:
-        parser.error(f"--model: {error}")
-    native = odeify.convert(str(args.model))
-    data = open_data("digits", native)
-    source_accuracy = evaluate(source, torch.utils.data.DataLoader(data.val, batch_size=256)).accuracy
-    runs = [(label, 0) for label in CANDIDATES] + [(label, seed) for label in REPEATED for seed in seeds[1:]]
-    if args.only == "default":
-        runs = [(label, seed) for label, seed in runs if CANDIDATES[label] == DEFAULT_RECIPE]
-    elif args.only == "ema":
-        runs = [(label, seed) for label, seed in runs if CANDIDATES[label].ema]
-
-    results = {}  # (recipe label, seed, manifestation) -> history
-    for recipe_label, seed in runs:
-        for label, settings in MANIFESTATIONS.items():
-            model = odeify.retarget(native, **settings)  # the teacher is the source network itself
-            result = finetune(
-                model, data, CANDIDATES[recipe_label], seed=seed, teacher=native, progress=False
-            )
-            results[recipe_label, seed, label] = history = result.history
-            print(f"{recipe_label} | seed {seed} | {label}: {_change(history)}", file=sys.stderr)
-
-    x, y = next(iter(torch.utils.data.DataLoader(data.train, batch_size=64)))
-    memory = {
-        label: (
-            saved_for_backward(odeify.retarget(native, **settings), x, y),
-            saved_for_backward(odeify.retarget(native, **{**settings, "backward": "backprop"}), x, y),
+    unknown_manifestations = set(args.manifestations or []) - {ONE_STEP, *MANIFESTATIONS}
+    if unknown_manifestations:
+        parser.error(f"unknown manifestation(s) {sorted(unknown_manifestations)}")
+    unknown = [r for r in args.recipes if r != "all" and r not in candidates()]
+    if unknown:
+        parser.error(f"unknown recipe(s) {unknown}; known: {', '.join(candidates())}")
+    if "cli" in args.via and args.recipes != ["default"]:
+        parser.error(
+            "--via cli runs the default recipe only (the command line's defaults): --recipes default"
         )
-        for label, settings in MANIFESTATIONS.items()
-    }
+    started = time.perf_counter()
+    if not args.report:
+        sweep(args)
     lines = report(
-        results, memory, source_accuracy, time.perf_counter() - started, seeds, args.output, args.model
+        read_cache(args.cache), args.corpus, None if args.report else time.perf_counter() - started
     )
+    from odeify.core.fileio import atomic_write_bytes
+
     args.output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(args.output, ("\n".join(lines) + "\n").encode())
-    plot(results, source_accuracy, args.output.with_suffix(".png"))
     print("\n".join(lines))
-
-
-def _training_seed(path: Path) -> int | None:
-    """The training seed ``examples/train_digits.py`` recorded in a digits model's metadata."""
-    return json.loads(read_checkpoint_metadata(path).get(META_DIGITS, "{}")).get("train_seed")
-
-
-def _after(history: list) -> str:
-    """The accuracy after training; with a weight average, the last step's weights' in parentheses."""
-    last = history[-1]
-    raw = "" if last.val_accuracy_raw is None else f" (last step {100 * last.val_accuracy_raw:.2f})"
-    return f"{100 * last.val_accuracy:.2f}{raw}"
-
-
-def _change(history: list) -> str:
-    return f"{100 * history[0].val_accuracy:.2f} -> {_after(history)}"
-
-
-def _meets(history: list, source_accuracy: float) -> bool:
-    after, before = history[-1].val_accuracy, history[0].val_accuracy
-    return after >= source_accuracy - TARGET_GAP and after >= before
-
-
-def report(
-    results: dict,
-    memory: dict,
-    source_accuracy: float,
-    seconds: float,
-    seeds: range,
-    output: Path,
-    model: Path,
-) -> list[str]:
-    source_story = f"`examples/train_digits.py --seed {_training_seed(model)}`"
-    if model == DEFAULT_MODEL_PATH:
-        source_story = f"the shipped model, {source_story}"
-    command = command_line(__file__)
-    recipes = list(dict.fromkeys(label for label, _, _ in results))
-    lines = [
-        "# Fine-tuning recipe: recovering coarse manifestations of the digits model",
-        "",
-        f"Command: `{command}` ({seconds / 60:.0f} min)  ",
-        f"Machine: {describe_machine()}",
-        "",
-        f"Source model: `{model.name}` ({source_story}), {100 * source_accuracy:.2f}% on the 359 "
-        "held-out test digits. Target: every manifestation ends at >= "
-        f"{100 * (source_accuracy - TARGET_GAP):.2f}% (within 0.5 point; one test digit is 0.28 point) "
-        "and never below where it started. 'after' is the last epoch's model, not the best one (the test "
-        "split selects nothing). Each run starts from the same coarse model, trains with "
-        "`odeify.train.finetune.finetune` (the loop of `odeify finetune`), batch 64, and distills, where the "
-        "recipe does, from the converted model at native depth (the source network, exactly). With a "
-        "weight average (EMA), 'after' is the average's accuracy, which is the model the run returns and "
-        "saves; the last step's weights' follows in parentheses (the same training as the recipe without "
-        "EMA).",
-        "",
-        "## Candidates (seed 0)",
-        "",
-    ]
-    rows = []
-    for recipe_label in recipes:
-        histories = [results[recipe_label, 0, label] for label in MANIFESTATIONS]
-        met = all(_meets(h, source_accuracy) for h in histories)
-        cells = [_change(h) for h in histories]
-        rows.append((recipe_label, str(CANDIDATES[recipe_label].epochs), *cells, "yes" if met else "no"))
-    lines += markdown_table(("recipe", "epochs", *MANIFESTATIONS, "target met"), rows, text_columns=1)
-    lines += ["", f"## Seeds: the best recipes over {len(seeds)} seeds (batch order and initial RNG)", ""]
-    rows = []
-    for recipe_label in REPEATED:
-        for seed in seeds:
-            if (recipe_label, seed, next(iter(MANIFESTATIONS))) not in results:
-                continue
-            histories = [results[recipe_label, seed, label] for label in MANIFESTATIONS]
-            met = all(_meets(h, source_accuracy) for h in histories)
-            cells = [_after(h) for h in histories]
-            rows.append((recipe_label, str(seed), *cells, "yes" if met else "no"))
-    lines += markdown_table(("recipe", "seed", *MANIFESTATIONS, "target met"), rows, text_columns=1)
-    timed = next((r for r in recipes if CANDIDATES[r] == DEFAULT_RECIPE), recipes[0])
-    lines += ["", f"## Time per epoch ({timed}, seed 0; 22 batches of 64)", ""]
-    rows = []
-    for label in MANIFESTATIONS:
-        history = results.get((timed, 0, label))
-        if history:
-            rows.append((label, f"{statistics.median(h.seconds for h in history[1:]):.1f}"))
-    lines += markdown_table(("manifestation", "s/epoch (median)"), rows, text_columns=1)
-    lines += [
-        "",
-        "## Memory kept for backward (one training step, batch 64)",
-        "",
-        *markdown_table(
-            ("manifestation", "memory-free mode", "backprop, same manifestation", "ratio"),
-            (
-                (label, f"{free / 2**20:.2f} MiB", f"{full / 2**20:.2f} MiB", f"{free / full:.2f}")
-                for label, (free, full) in memory.items()
-            ),
-            text_columns=1,
-        ),
-        "",
-        "Each memory-free mode is set for the whole model (one `backward=` setting), so the stem, the "
-        "downsampling block and the head are recomputed in backward too: a step keeps the inputs of the "
-        "stages and of the segments between them. How this scales with depth: `make demo` (section 4) and "
-        "benchmarks/results/adjoint_memory.md.",
-        "",
-        f"![validation accuracy per epoch]({output.with_suffix('.png').name})",
-        "",
-    ]
-    return lines
-
-
-def plot(results: dict, source_accuracy: float, path: Path) -> None:
-    """Test accuracy per epoch (seed 0), one panel per manifestation, one line per recipe."""
-    recipes = list(dict.fromkeys(label for label, _, _ in results))
-    fig = Figure(figsize=(5 * len(MANIFESTATIONS), 4.6))
-    axes = fig.subplots(1, len(MANIFESTATIONS), squeeze=False)[0]
-    for ax, label in zip(axes, MANIFESTATIONS, strict=True):
-        for recipe_label in recipes:
-            history = results[recipe_label, 0, label]
-            style = {"linewidth": 2.5, "color": "black"} if CANDIDATES[recipe_label] == DEFAULT_RECIPE else {}
-            accuracies = [100 * h.val_accuracy for h in history]
-            ax.plot([h.epoch for h in history], accuracies, "o-", label=recipe_label, markersize=3, **style)
-        ax.axhline(100 * source_accuracy, color="0.3", linestyle="--", label="source model")
-        ax.axhline(100 * (source_accuracy - TARGET_GAP), color="0.6", linestyle=":", label="target")
-        ax.set(title=label, xlabel="epoch (0 = before)", ylabel="test accuracy (%)", ylim=(90, 100))
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Handles ``nn.BatchNorm*`` and timm's ``BatchNormAct2d`` family (their ``drop`` a
 stay in the graph); torch's own ``fuse`` misses the timm classes. After this pass a stage's
 parameters are plain conv/linear weights and biases, and per-channel scales and shifts, which
 interpolate linearly. Preserves computation (exact in real arithmetic; fp64 to round-off).
+
+Each fold leaves a :class:`FoldRecord` in ``gm.folds``: the BatchNorm's affine weight and frozen
+statistics, per channel, so that fine-tuning can train the folded tensors in the coordinates the
+source's optimizer saw (``odeify.train.parametrization``); the forward never reads it.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from odeify.core.errors import ConfigError
+from odeify.numerics.bases import fit_matrix
 from odeify.passes.contract import graph_pass, transformation
-from odeify.passes.graph_utils import fetch_attr, set_attr
+from odeify.passes.graph_utils import fetch_attr, set_attr, unique_name
 from odeify.passes.properties import BLOCKS, BN_FOLDED, RUNS, SHAPES
 
 FOLD_BATCHNORM = transformation(
@@ -27,6 +32,71 @@ FOLD_BATCHNORM = transformation(
 )
 
 _CONVS = {torch.conv1d, torch.conv2d, torch.conv3d}
+FOLDS = "folds"
+"""The attribute holding a module's fold records: ``gm.folds`` (discrete layers), ``stage.folds``."""
+
+
+class FoldRecord(nn.Module):
+    """What folding one BatchNorm took out of the model: the source's parametrization of what it folded.
+
+    Per output channel ``c`` (with a leading knot axis when the record belongs to a stage), the
+    folded tensors are, exactly as ``torch.nn.utils.fusion.fuse_conv_bn_weights`` computes them,
+
+        scaled[c]  = weight[c] * gamma[c] * inv_std[c]      (kind 'conv': weight is the conv's own)
+        scaled[c]  = gamma[c] * inv_std[c]                  (kind 'affine': a per-channel scale)
+        shifted[c] = beta[c] + offset[c] * gamma[c] * inv_std[c]
+
+    with ``inv_std = 1 / sqrt(running_var + eps)`` and ``offset = conv bias - running_mean`` (the
+    conv's bias is 0 when it had none; kind 'affine': ``-running_mean``). The buffers hold
+    ``gamma`` (the BatchNorm's weight, which fine-tuning trains along and writes back), ``inv_std``
+    and ``offset`` (the frozen statistics). ``scaled`` and ``shifted`` are the attribute paths of
+    the folded tensors relative to the module that holds the record's container (the converted
+    model, or a stage: ``knots.conv2_weight``). ``learnable``: whether the BatchNorm had an affine
+    weight and bias (the source trained them). ``norm``: the folded BatchNorm's module path in the
+    source (in a stage: the first block's).
+    """
+
+    def __init__(
+        self,
+        gamma: torch.Tensor,
+        inv_std: torch.Tensor,
+        offset: torch.Tensor,
+        *,
+        kind: str,
+        scaled: str,
+        shifted: str,
+        norm: str,
+        learnable: bool = True,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("gamma", gamma)
+        self.register_buffer("inv_std", inv_std)
+        self.register_buffer("offset", offset)
+        self.kind, self.scaled, self.shifted, self.norm = kind, scaled, shifted, norm
+        self.learnable = learnable
+
+    def extra_repr(self) -> str:
+        return f"norm={self.norm!r}, kind={self.kind}, scaled={self.scaled!r}, shifted={self.shifted!r}"
+
+
+def fold_records(owner: nn.Module) -> dict[str, FoldRecord]:
+    """The fold records ``owner`` (a converted model or a stage) holds, by key; empty if none."""
+    container = getattr(owner, FOLDS, None)
+    return dict(container.items()) if isinstance(container, nn.ModuleDict) else {}
+
+
+def add_fold_record(owner: nn.Module, key: str, record: FoldRecord) -> None:
+    """Keep ``record`` in ``owner.folds`` under ``key`` (a Python name), creating the container."""
+    if not isinstance(getattr(owner, FOLDS, None), nn.ModuleDict):
+        owner.add_module(FOLDS, nn.ModuleDict())
+    getattr(owner, FOLDS)[key] = record
+
+
+def drop_fold_records(owner: nn.Module) -> None:
+    """Remove every fold record of ``owner`` and of its stages (a file saved before records existed)."""
+    for module in list(owner.modules()):
+        if isinstance(getattr(module, FOLDS, None), nn.ModuleDict):
+            delattr(module, FOLDS)
 
 
 class FoldedNorm(nn.Module):
@@ -49,14 +119,20 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         _check_running_stats(bn, node.target)
         producer = node.args[0]
-        folded_into_conv = _fold_into_conv(gm, producer, bn)
+        folded = _fold_into_conv(gm, producer, bn)
+        folded_into_conv = folded is not None
         remainder = FoldedNorm(getattr(bn, "drop", None), getattr(bn, "act", None))
         set_attr(gm, node.target, remainder)
         with gm.graph.inserting_before(node):
             out = producer
             steps: list[fx.Node] = []  # the data nodes that replace the BN, all of its shape
-            if not folded_into_conv:
+            if folded_into_conv:
+                record = _record(bn, node.target, "conv", *folded)
+            else:
                 scale, shift = _affine_of(bn)
+                record = _record(
+                    bn, node.target, "affine", f"{node.target}.scale", f"{node.target}.shift", None
+                )
                 view = (-1,) + (1,) * (len(node.meta["tensor_meta"].shape) - 2)
                 remainder.register_parameter("scale", nn.Parameter(scale.reshape(view)))
                 remainder.register_parameter("shift", nn.Parameter(shift.reshape(view)))
@@ -70,6 +146,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
                     steps.append(out)
         for step in steps:
             step.meta["tensor_meta"] = node.meta.get("tensor_meta")
+        add_fold_record(gm, unique_name(record_key(node.target), fold_records(gm)), record)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm
@@ -83,6 +160,33 @@ def _check_running_stats(bn: _BatchNorm, name: str) -> None:
         )
 
 
+def record_key(path: str) -> str:
+    """A fold record's key from a module path: 'layer1.0.bn2' -> 'layer1_0_bn2' (a Python name)."""
+    return path.replace(".", "_")
+
+
+def _record(
+    bn: _BatchNorm, norm: str, kind: str, scaled: str, shifted: str, conv_bias: torch.Tensor | None
+) -> FoldRecord:
+    """The record of folding ``bn`` into ``scaled`` and ``shifted`` (the conv's bias or None: zero)."""
+    with torch.no_grad():
+        mean, var = bn.running_mean.detach(), bn.running_var.detach()
+        gamma = bn.weight.detach().clone() if bn.weight is not None else torch.ones_like(var)
+        inv_std = torch.rsqrt(var + bn.eps)
+        offset = (conv_bias.detach() if conv_bias is not None else torch.zeros_like(mean)) - mean
+    dtype = var.dtype
+    return FoldRecord(
+        gamma.to(dtype),
+        inv_std,
+        offset.to(dtype),
+        kind=kind,
+        scaled=scaled,
+        shifted=shifted,
+        norm=norm,
+        learnable=bn.weight is not None,
+    )
+
+
 def _affine_of(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """Eval-mode BN as ``x * scale + shift``: what it fuses into a 1x1 conv whose weight is all ones."""
     ones = torch.ones_like(bn.running_var).unsqueeze(1)  # (C, 1): a conv weight, out channels first
@@ -93,21 +197,26 @@ def _affine_of(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
     return scale.detach().flatten(), shift.detach()
 
 
-def _fold_into_conv(gm: fx.GraphModule, producer, bn: _BatchNorm) -> bool:
+def _fold_into_conv(
+    gm: fx.GraphModule, producer, bn: _BatchNorm
+) -> tuple[str, str, torch.Tensor | None] | None:
     """Fold the BN into the conv it reads when that conv has a plain weight used only there.
+
+    Returns the folded weight's and bias's attribute paths and the conv's own bias before the fold
+    (None when it had none), or None when the BN does not read such a conv.
 
     The arithmetic is torch's ``fuse_conv_bn_weights``; torch's graph-level ``fuse`` is not used
     because it matches ``nn.Conv2d``/``nn.BatchNorm2d`` modules only, and here convs are traced into
     functional calls and timm's ``BatchNormAct2d`` carries act/drop parts that must stay.
     """
     if not (isinstance(producer, fx.Node) and producer.op == "call_function" and producer.target in _CONVS):
-        return False
+        return None
     weight_node = producer.args[1]
     bias_node = producer.args[2] if len(producer.args) > 2 else producer.kwargs.get("bias")
     if len(producer.users) != 1 or not (isinstance(weight_node, fx.Node) and weight_node.op == "get_attr"):
-        return False
+        return None
     if len(weight_node.users) != 1:
-        return False
+        return None
     weight = fetch_attr(gm, weight_node.target)
     bias = fetch_attr(gm, bias_node.target) if isinstance(bias_node, fx.Node) else None
     with torch.no_grad():
@@ -118,7 +227,7 @@ def _fold_into_conv(gm: fx.GraphModule, producer, bn: _BatchNorm) -> bool:
     set_attr(gm, weight_node.target, new_weight)
     if isinstance(bias_node, fx.Node):
         set_attr(gm, bias_node.target, new_bias)
-        return True
+        return weight_node.target, bias_node.target, bias
     owner_path = weight_node.target.rpartition(".")[0]
     bias_target = f"{owner_path}.bias" if owner_path else "bias"
     set_attr(gm, bias_target, new_bias)
@@ -130,4 +239,29 @@ def _fold_into_conv(gm: fx.GraphModule, producer, bn: _BatchNorm) -> bool:
         producer.args = tuple(args)
     else:
         producer.kwargs = {**producer.kwargs, "bias": bias_node}
-    return True
+    return weight_node.target, bias_target, None
+
+
+def refit_fold_records(owner: nn.Module, basis: str, count: int, old_count: int) -> None:
+    """Give ``owner``'s (a stage's) records ``count`` knots, as its knot stacks go from ``old_count``.
+
+    A fitted or refined knot mixes blocks with the coefficients of ``fit_matrix``; its record mixes
+    theirs with the coefficients' magnitudes, normalised to sum to 1 (a weighted mean), and averages
+    the gammas' magnitudes, so that blocks whose gammas differ in sign do not cancel into a zero
+    scale. Any such record parametrizes the knot's tensors exactly (fine-tuning divides them by
+    ``gamma * inv_std``); this one gives the knot the scale of the blocks it stands for.
+    """
+    records = fold_records(owner)
+    if count == old_count or not records:
+        return
+    matrix = torch.tensor(
+        [[abs(float(c)) for c in row] for row in fit_matrix(basis, count, old_count)], dtype=torch.float64
+    )
+    weights = matrix / matrix.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    for record in records.values():
+        for part in ("gamma", "inv_std", "offset"):
+            values = getattr(record, part)
+            stack = values.detach().to(torch.float64)
+            if part == "gamma":
+                stack = stack.abs()
+            setattr(record, part, torch.tensordot(weights, stack, dims=1).to(values.dtype))

@@ -27,6 +27,7 @@ from odeify.ir.meta import tag
 from odeify.ir.plan import Run
 from odeify.ir.stage_ir import Slot, StageIR
 from odeify.passes.contract import graph_pass, transformation
+from odeify.passes.fold_bn import FOLDS, FoldRecord, add_fold_record, fold_records, record_key
 from odeify.passes.graph_utils import fetch_attr, identity_sources, live_nodes, owner_of, unique_name
 from odeify.passes.properties import BLOCKS, RUNS, STAGE_CALLS
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
@@ -45,7 +46,8 @@ class RunParts:
 
     ``template`` computes one block, ``(x, *slot tensors) -> (branch f(x), block output)``;
     ``tensors[slot.name]`` stacks the blocks' tensors for a slot on a leading axis (one tensor for a
-    ``shared`` slot); ``variants[key]`` lists each block's own module where blocks differ in one
+    ``shared`` slot); ``origins[slot.name]`` names each block's attribute behind a tensor slot;
+    ``variants[key]`` lists each block's own module where blocks differ in one
     (DropPath rates, a pass-through call a block lacks), keyed by the template module path with
     '.' replaced by '__'.
     """
@@ -54,6 +56,8 @@ class RunParts:
     slots: list[Slot]
     tensors: dict[str, torch.Tensor]
     variants: dict[str, list[nn.Module]]
+    origins: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """For each slot read from the model's attributes: the attribute path it came from, per block."""
 
 
 StageFactory = Callable[[Run, RunParts], StageIR]
@@ -87,9 +91,13 @@ def lift_runs(
             skipped[run.name] = str(why)
             continue
         stage = make_stage(run, parts)
+        _move_fold_records(gm, stage, parts, run.blocks[0].scope)
         call = _replace_run(gm, run, stage_attribute(run), stage)
         renamed[run.blocks[-1].output] = call.name
+    folds = gm._modules.pop(FOLDS, None)  # the discrete layers' records: read by training, not the graph
     prune_unused_attributes(gm)
+    if folds is not None:
+        gm.add_module(FOLDS, folds)
     return gm, skipped
 
 
@@ -141,6 +149,7 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
     slot_nodes: dict[str, fx.Node] = {}
     template_modules: dict[str, nn.Module] = {}
     variants: dict[str, list[nn.Module]] = {}
+    origins: dict[str, list[str]] = {}
 
     def new_slot(base: str, kind: str, values: list[torch.Tensor]) -> fx.Node:
         name = unique_name(slot_name(base), tensors)
@@ -181,6 +190,7 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
                 tensors_k = [fetch_attr(gm, v.target) for v in values]
                 relative = _relative(first.target, scopes[0])
                 env[0][key] = _tensor_slot(new_slot, relative, tensors_k)
+                origins[slots[-1].name] = [v.target for v in values]
                 for e, v in zip(env[1:], values[1:], strict=True):
                     e[("attr", v.name)] = env[0][key]
             return env[0][key]
@@ -231,7 +241,55 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
             e[p] = new
     graph.output((branch_operand, env[0][cores[0][-1]]))
     template = fx.GraphModule(template_modules, graph, f"{stage_attribute(run)}_template")
-    return RunParts(template, slots, tensors, variants)
+    return RunParts(template, slots, tensors, variants, origins)
+
+
+def _move_fold_records(gm: fx.GraphModule, stage: StageIR, parts: RunParts, scope: str) -> None:
+    """Stack the fold records of the run's blocks into the stage, as its knots are stacked.
+
+    A record moves when both tensors it describes became ``param`` slots, one block each; the
+    blocks' own records leave ``gm.folds`` either way (their tensors now live in the stage).
+    """
+    records = fold_records(gm)
+    if not records:
+        return
+    kinds = {slot.name: slot.kind for slot in parts.slots}
+    slot_of = {
+        (target, block): name
+        for name, targets in parts.origins.items()
+        for block, target in enumerate(targets)
+    }
+    by_scaled = {record.scaled: key for key, record in records.items()}
+    for name, targets in parts.origins.items():
+        keys = [by_scaled.get(target) for target in targets]
+        if None in keys or kinds[name] != "param":
+            continue
+        blocks = [records[key] for key in keys]
+        shifted = {slot_of.get((record.shifted, block)) for block, record in enumerate(blocks)}
+        if len(shifted) != 1 or None in shifted or kinds[next(iter(shifted))] != "param":
+            continue
+        (bias,) = shifted
+        first = blocks[0]
+        stacked = {
+            part: torch.stack([getattr(record, part) for record in blocks])
+            for part in ("gamma", "inv_std", "offset")
+        }
+        record = FoldRecord(
+            **stacked,
+            kind=first.kind,
+            scaled=f"knots.{name}",
+            shifted=f"knots.{bias}",
+            norm=first.norm,
+            learnable=all(record.learnable for record in blocks),
+        )
+        add_fold_record(
+            stage, unique_name(record_key(_relative(first.norm, scope)), fold_records(stage)), record
+        )
+    lifted = {target for targets in parts.origins.values() for target in targets}
+    container = getattr(gm, FOLDS)
+    for key, record in records.items():
+        if record.scaled in lifted or record.shifted in lifted:
+            del container[key]
 
 
 def _shortcut_position(join: fx.Node, fork: fx.Node, modules: dict[str, nn.Module]) -> int:

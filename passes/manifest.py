@@ -9,7 +9,9 @@ Knots: fewer than the current count compresses by least squares (fit with the ne
 refines by evaluating the current weight path at the new knots; the same count keeps them. A new
 basis may read the current knots as they are only when they are one per block (the blocks' own
 weights, which every basis interpolates): compressed or refined knots are values of their basis's
-weight path, and reading them with another basis would silently swap the path.
+weight path, and reading them with another basis would silently swap the path. Before a stage's
+knot count changes, its blocks' own knots are kept (:mod:`odeify.passes.source`), and its fold
+records follow its knots (:func:`odeify.passes.fold_bn.refit_fold_records`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from odeify.ir.stage_ir import StageIR
 from odeify.numerics.bases import fit_matrix, get_basis, validate_knots
 from odeify.numerics.tableaus import resolve_integrator
 from odeify.passes.contract import graph_pass, transformation
+from odeify.passes.fold_bn import refit_fold_records
 from odeify.passes.properties import SEGMENTS, STAGE_CALLS
+from odeify.passes.source import record_stage_source
 
 __all__ = ["SET_MANIFESTATION", "check_manifestation", "refit", "set_manifestation"]
 
@@ -136,6 +140,8 @@ def _change_knots(stage: StageIR, count: int, basis: str | None) -> None:
     new_basis = get_basis(basis).name if basis is not None else old_basis
     # compression fits with the new basis; refinement evaluates the current weight path
     fit_basis = new_basis if count < old_count else old_basis
+    if count != old_count:
+        record_stage_source(stage)  # the blocks' own knots: what the model needs to run its source
     with torch.no_grad():
         for slot in stage.slots:
             if slot.kind == "shared":
@@ -145,4 +151,5 @@ def _change_knots(stage: StageIR, count: int, basis: str | None) -> None:
                 stage.knots[slot.name] = nn.Parameter(fitted)
             else:
                 setattr(stage, f"{slot.kind}_{slot.name}", fitted)
+        refit_fold_records(stage, fit_basis, count, old_count)
     stage.configure(basis=new_basis)

@@ -27,7 +27,6 @@ import pytest
 import safetensors.torch
 import torch
 from safetensors import safe_open
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Dataset, TensorDataset
 
 import odeify
@@ -46,6 +45,7 @@ from odeify.train.finetune import (
     learning_rate_factor,
     refine,
 )
+from odeify.train.parametrization import SourceCoordinates, param_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -298,21 +298,24 @@ def test_a_state_recorded_before_a_recipe_field_existed_resumes(
 
 # -- weight average (EMA) --------------------------------------------------------------------------
 def test_weight_average_follows_timms_warmed_up_ema_of_the_raw_weights(
-    native: torch.nn.Module, digits: LabelledData, tmp_path: Path
+    native: torch.nn.Module, digits: LabelledData, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The returned and saved model is the EMA of the weights after each optimizer step, computed by hand."""
+    """The returned and saved model is the EMA of the weights after each optimizer step, computed by hand.
+
+    The optimizer steps the source tensors; the model's weights follow when they are pushed back.
+    """
     model = coarse(native)
     trajectory: list[dict[str, torch.Tensor]] = []
+    push = SourceCoordinates.push
 
-    def snapshot(*_: object) -> None:
+    def snapshot(sources: SourceCoordinates) -> None:
+        push(sources)
         trajectory.append({k: v.detach().clone() for k, v in model.state_dict().items()})
 
     recipe = replace(QUICK, ema_decay=0.5)  # the warm-up's decay exceeds 0.5 from step 3: both regimes
-    handle = register_optimizer_step_post_hook(snapshot)
-    try:
-        result = finetune(model, digits, recipe, out=tmp_path, max_batches=BATCHES, progress=False)
-    finally:
-        handle.remove()
+    monkeypatch.setattr(SourceCoordinates, "push", snapshot)
+    result = finetune(model, digits, recipe, out=tmp_path, max_batches=BATCHES, progress=False)
+    monkeypatch.undo()
     assert len(trajectory) == recipe.epochs * BATCHES
     expected = {k: v.double() for k, v in trajectory[0].items()}  # step 1: the average is the weights
     for step, weights in enumerate(trajectory[1:], start=2):
@@ -415,7 +418,9 @@ def test_refine_at_keeps_optimizer_state_outside_the_knots(
         {"layer1": 8, "layer2": 6}
     ]
     assert [r.steps["layer1"] for r in result.history] == [1, 1, 2]
-    outside = sum(".knots." not in name for name, _ in model.named_parameters())
+    # what the optimizer trains outside the stages: the source tensors of folded layers, the rest
+    _, trained = param_groups(model, SourceCoordinates(model), 0.0)
+    outside = sum(not any(s in name for s in ("layer1_ode", "layer2_ode")) for name in trained)
     refined = next(line for line in lines if "refined" in line)
     assert f"the {outside} parameters outside the knot stacks keep their optimizer state" in refined
 

@@ -501,6 +501,7 @@ RECORDED = (
     "input_size",
     "leaf",
     "deterministic",
+    "teacher",
 )
 
 
@@ -520,7 +521,6 @@ def run_finetune(args: argparse.Namespace) -> int:
         DEFAULT_RECIPE,
         finetune,
         for_training,
-        native_depth,
         read_run,
         start_processes,
         stop_processes,
@@ -553,7 +553,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             max_batches=settings.max_batches,
             workers=settings.workers,
             processes=processes,
-            teacher=native_depth(loaded) if recipe.distill > 0 else None,
+            teacher=settings.teacher,
             run_info={"cli": {k: getattr(settings, k) for k in RECORDED}},
             deterministic=settings.deterministic,
         )

@@ -279,6 +279,11 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "0 when the data's classes differ from the model's)",
     )
     finetune.add_argument(
+        "--teacher",
+        metavar="FILE",
+        help="distill from this model (a converted file or a checkpoint) instead of the source network",
+    )
+    finetune.add_argument(
         "--ema-decay",
         type=arg.ema_decay,
         metavar="DECAY",

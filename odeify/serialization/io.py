@@ -3,9 +3,11 @@
 A saved model is self-contained: its recipe (:mod:`odeify.serialization.recipe`) names the source
 architecture as a timm name and build kwargs, never a path or the source weights. ``load`` builds
 that architecture with random weights (or takes the ``model=`` you pass), converts it with the
-recorded settings, checks every saved tensor against the result, loads them, and checks that the
-result computes what was saved (:mod:`odeify.serialization.probe`). It opens no path but the one it
-is given and needs no network, so a file loads the same on any machine with odeify, torch and timm.
+recorded settings, checks every saved tensor against the result, loads them (with the fold
+records and source tensors the file has: what fine-tuning reads, :mod:`odeify.passes.source`),
+and checks that the result computes what was saved (:mod:`odeify.serialization.probe`). It opens
+no path but the one it is given and needs no network, so a file loads the same on any machine
+with odeify, torch and timm.
 
 ``save`` checks what it writes with load's own rules (:mod:`odeify.serialization.schema`, the tensor
 checks below, the resource budgets): a model load would refuse is refused before anything is
@@ -36,6 +38,8 @@ from odeify.core.paths import MODEL_SUFFIX, input_file, output_file
 from odeify.ir.settings import StageRequest
 from odeify.models.archs import build_arch
 from odeify.models.timm_interface import ConvertedModel
+from odeify.passes.fold_bn import FOLDS, drop_fold_records
+from odeify.passes.source import attach_sources, drop_sources
 from odeify.serialization.probe import PROBE_PREFIX, check_probe, record_probe
 from odeify.serialization.recipe import DTYPES, Recipe, integrator_of, recipe_of
 from odeify.serialization.schema import RecipeError, parse_recipe, validate_recipe
@@ -134,6 +138,7 @@ def load(
     converted = _rebuild(source, recipe, path, leaf_modules)
     state = read_tensors(path, ModelLoadError, _WRITTEN_BY_SAVE)
     probe = {k: state.pop(k) for k in [k for k in state if k.startswith(PROBE_PREFIX)]}
+    _match_training_records(converted, state, path)
     _check_tensors(converted, state, path)
     converted.load_state_dict(state, strict=True)
     if recipe.pretrained_cfg:
@@ -274,6 +279,22 @@ def _convert_as_recorded(
     )
     with torch.no_grad():
         return guard_input_dtype(CONVERT.run(job).gm)
+
+
+def _match_training_records(model: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Give the rebuilt model the training records the file has: fold records, source tensors.
+
+    The rebuilt model has fold records (its conversion folded BatchNorms), and source tensors of the
+    random weights it was built with where its recipe compressed or refined knots: those go, the
+    file's take their place. A file saved before fold records existed has none, and loads without
+    them (fine-tuning then trains its folded tensors as they are).
+    """
+    if not any(key.startswith(f"{FOLDS}.") or f".{FOLDS}." in key for key in state):
+        drop_fold_records(model)
+    drop_sources(model)
+    problems = attach_sources(model, dict(state))
+    if problems:
+        raise ModelLoadError(f"{path}: {'; '.join(problems[:3])}; the file is damaged or was altered")
 
 
 def _check_tensors(model: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:

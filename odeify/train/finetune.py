@@ -12,6 +12,11 @@ The loop, :func:`finetune`:
 - with ``recipe.ema_decay``, keeps an exponential moving average of the weights (timm's
   ``ModelEmaV3`` with its warm-up, updated after every optimizer step) and returns and saves the
   average, which is less noisy than the last step's weights; the history records both accuracies;
+- trains the source's tensors of every folded BatchNorm layer, not the folded ones
+  (:mod:`odeify.train.parametrization`), so a step changes the model as it would change the source;
+- distills, by default, from the source network (:func:`source_network`), which the model keeps
+  through retargeting, compression and fine-tuning; when it is not known, says so and trains on the
+  labels;
 - evaluates on the validation split before training and after every epoch;
 - with ``out``: after every epoch writes, atomically and in this order, the training state
   (``train_state.safetensors``: model, weight average, optimizer, epoch, step, history; resumable),
@@ -63,11 +68,19 @@ from odeify.compiler.conversion import converted_stages
 from odeify.core.errors import ConfigError, TrainingDiverged
 from odeify.core.lock import folder_lock
 from odeify.core.paths import output_folder
+from odeify.passes.source import record_source
 from odeify.serialization.io import save
 from odeify.train.datasets import LabelledData, check_data, make_loader
 from odeify.train.distributed import Processes, start_processes, stop_processes
 from odeify.train.fingerprint import check_fingerprint, run_fingerprint
-from odeify.train.manifestations import for_training, native_depth, refine
+from odeify.train.manifestations import (
+    for_training,
+    load_teacher,
+    native_depth,
+    refine,
+    source_network,
+    unknown_source,
+)
 from odeify.train.progress import LOGGER, epoch_line, header, refine_message, teacher_line
 from odeify.train.recipe import DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
@@ -106,6 +119,7 @@ __all__ = [
     "native_depth",
     "read_run",
     "refine",
+    "source_network",
     "start_processes",
     "stop_processes",
     "use_deterministic_algorithms",
@@ -141,19 +155,21 @@ def finetune(
     max_batches: int | None = None,
     workers: int = 0,
     processes: Processes | None = None,
-    teacher: nn.Module | None = None,
+    teacher: nn.Module | str | os.PathLike[str] | None = None,
     run_info: Mapping[str, Any] | None = None,
     progress: bool = True,
     deterministic: bool = False,
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
 
-    ``teacher``: what the recipe distills from (``recipe.distill > 0``); default: ``model`` at native
-    depth as it is now (:func:`native_depth`); pass the model from before a knot compression, which
-    is closer to the source. ``max_batches`` cuts each epoch short (quick tries). ``run_info`` is
-    recorded with the run and must match on resume, with every other setting (a resumed run
-    continues the recorded one). ``deterministic`` makes torch use deterministic kernels (on GPUs:
-    what an exact resume and the reversible backward's bit-exact rebuild need).
+    ``teacher``: what the recipe distills from (``recipe.distill > 0``), a module or the path of a
+    model file (converted, or a checkpoint odeify loads by itself); default: the source network the
+    model keeps (:func:`source_network`), unchanged by retargeting, compression or earlier
+    fine-tuning; when it is not known, the run says so and trains on the labels. ``max_batches``
+    cuts each epoch short (quick tries). ``run_info`` is recorded with the run and must match on
+    resume, with every other setting (a resumed run continues the recorded one). ``deterministic``
+    makes torch use deterministic kernels (on GPUs: what an exact resume and the reversible
+    backward's bit-exact rebuild need).
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
     check_data(data, model)
@@ -162,8 +178,10 @@ def finetune(
     with _folder_lock(folder, procs):
         if deterministic:
             use_deterministic_algorithms()
+        # before anything changes the model: what it holds now is its source where nothing else is kept
+        record_source(model, [name for name, p in model.named_parameters() if p.requires_grad])
         recipe = _match_classes(model, data, recipe, seed)
-        teacher = _teacher(model, recipe, teacher)
+        teacher, recipe = _teacher(model, recipe, teacher)
         started_from = run_fingerprint(model, teacher, data) if folder is not None else {}
         run = {
             "recipe": asdict(recipe),
@@ -279,11 +297,27 @@ def _check_arguments(
     return refine_epochs
 
 
-def _teacher(model: nn.Module, recipe: Recipe, teacher: nn.Module | None) -> nn.Module | None:
-    """The model to distill from, in eval mode; None when the recipe does not distill."""
+def _teacher(
+    model: fx.GraphModule, recipe: Recipe, teacher: nn.Module | str | os.PathLike[str] | None
+) -> tuple[nn.Module | None, Recipe]:
+    """The model to distill from, in eval mode, and the recipe to train with.
+
+    None (and no distillation) when the recipe does not distill, or when no teacher is given and the
+    model's source network is not known (said once, in the log).
+    """
     if recipe.distill == 0:
-        return None
-    return (teacher if teacher is not None else native_depth(model)).eval()
+        return None, recipe
+    if teacher is not None:
+        found = load_teacher(teacher) if isinstance(teacher, (str, os.PathLike)) else teacher
+        return found.eval(), recipe
+    why = unknown_source(model)
+    if why is None:
+        return source_network(model), recipe
+    LOGGER.warning(
+        f"note: no teacher: the source network of this model is not known ({why}), so it trains on the "
+        "labels alone. Pass the source as a teacher (teacher=..., --teacher FILE) to distill from it."
+    )
+    return None, replace(recipe, distill=0.0)
 
 
 def _match_classes(model: nn.Module, data: LabelledData, recipe: Recipe, seed: int) -> Recipe:
@@ -339,7 +373,8 @@ def _resume(
         if epoch <= state["epoch"]:
             trainer.replace_model(refine(trainer.model))
     try:
-        check_tensors(state, trainer.model, trainer.optimizer, trainer.ema.module if trainer.ema else None)
+        average = trainer.ema.module if trainer.ema else None
+        check_tensors(state, trainer.model, trainer.optimizer, average, trainer.sources)
     except StateError as exc:
         raise ConfigError(
             f"cannot resume {folder}: its training state does not fit this run: {exc}."

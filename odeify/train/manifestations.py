@@ -2,19 +2,36 @@
 
 :func:`for_training` is the one policy for which backward mode a run trains with, for Python and
 command-line users alike: a memory-free mode per stage unless one is asked for.
+:func:`source_network` is the teacher: the network the model was converted from, run from the
+source tensors the model keeps (:mod:`odeify.passes.source`), whatever its knots are now.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.fx as fx
+from safetensors import safe_open
+from torch import nn
 
 from odeify.compiler.conversion import converted_stages, retarget
+from odeify.core.errors import ConfigError
 from odeify.numerics.tableaus import REVERSIBLE_SCHEMES
+from odeify.passes.source import drop_sources, source_values, stage_source
 
-__all__ = ["for_training", "memory_free_backward", "native_depth", "refine"]
+__all__ = [
+    "load_teacher",
+    "for_training",
+    "memory_free_backward",
+    "native_depth",
+    "refine",
+    "source_network",
+    "unknown_source",
+]
 
 
 def for_training(model: fx.GraphModule, backward: str | Mapping[str, str] | None = None, **settings: Any):
@@ -60,3 +77,61 @@ def native_depth(model: fx.GraphModule) -> fx.GraphModule:
     With one knot per block, as converted, this is the source network itself.
     """
     return retarget(model, integrator="euler", steps="native", backward="backprop").eval()
+
+
+def unknown_source(model: fx.GraphModule) -> str | None:
+    """Why ``model``'s source network cannot be run from what it keeps; None when it can."""
+    for stage in converted_stages(model):
+        if stage_source(stage) is None:
+            return (
+                f"stage '{stage.stage_name}' has {stage.num_knots} knots for its {stage.depth} blocks and "
+                "keeps no source knots (a file saved before odeify kept them)"
+            )
+    current = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, value in source_values(model).items():
+        tensor = current.get(name)
+        if tensor is None or tensor.shape != value.shape:
+            shape = None if tensor is None else tuple(tensor.shape)
+            return (
+                f"its source's {name} has shape {tuple(value.shape)}, the model's {shape} (a new classifier?)"
+            )
+    return None
+
+
+def source_network(model: fx.GraphModule) -> fx.GraphModule:
+    """The network ``model`` was converted from, as a converted model at native depth, in eval mode.
+
+    Built from the source tensors ``model`` keeps (its blocks' knots while its own are compressed
+    or refined, the values fine-tuning started from), so retargeting, compressing or fine-tuning the
+    model leaves it unchanged. Raises ConfigError when they are not all known (:func:`unknown_source`).
+    """
+    why = unknown_source(model)
+    if why is not None:
+        raise ConfigError(f"the model's source network is not known: {why}. Pass a teacher, or distill=0.")
+    teacher = retarget(model, integrator="euler", steps="native", knots="native", backward="backprop")
+    sources = {stage.stage_name: stage_source(stage) for stage in converted_stages(model)}
+    values = source_values(model)
+    with torch.no_grad():
+        for stage in converted_stages(teacher):
+            for slot in stage.slots:
+                if slot.kind != "shared":
+                    stage.slot_tensor(slot).copy_(sources[stage.stage_name][slot.name])
+        tensors = dict(teacher.named_parameters()) | dict(teacher.named_buffers())
+        for name, value in values.items():
+            tensors[name].copy_(value)
+    drop_sources(teacher)
+    return teacher.eval().requires_grad_(False)
+
+
+def load_teacher(path: str | os.PathLike[str]) -> nn.Module:
+    """The model in the file at ``path``: a converted model as saved, or a checkpoint odeify reads
+    without further arguments (timm's train.py output, a Hugging Face folder, an odeify digits file)."""
+    from odeify.models.loading import load_model
+    from odeify.serialization.io import RECIPE_KEY, load
+
+    target = Path(path).expanduser()
+    if target.is_file() and target.suffix == ".safetensors":
+        with safe_open(str(target), framework="pt") as handle:
+            if RECIPE_KEY in (handle.metadata() or {}):
+                return load(target)
+    return load_model(target)

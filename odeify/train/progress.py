@@ -33,8 +33,8 @@ def header(model: nn.Module, procs: Processes) -> str:
 
 def teacher_line(teacher_accuracy: float, start: float, recipe: Recipe) -> str:
     line = (
-        f"distilling (weight {recipe.distill:g}, temperature {recipe.temperature:g}) from the model at "
-        f"native depth: val accuracy {teacher_accuracy:.2%}"
+        f"distilling (weight {recipe.distill:g}, temperature {recipe.temperature:g}) from the teacher: "
+        f"val accuracy {teacher_accuracy:.2%}"
     )
     if teacher_accuracy < start:
         line += " -- below the model's own; fine-tune without distillation (distill=0, --distill 0) instead"

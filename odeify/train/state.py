@@ -82,9 +82,11 @@ class EpochRecord:
 
 
 class TrainingRun(Protocol):
-    """What :func:`write_state` reads of a run: the model, its weight average, optimizer, step count."""
+    """What :func:`write_state` reads of a run: the model, the source tensors its optimizer trains
+    (``odeify.train.parametrization``), its weight average, optimizer, step count."""
 
     model: nn.Module
+    sources: nn.Module
     ema: ModelEmaV3 | None
     optimizer: torch.optim.Optimizer
     step: int
@@ -104,7 +106,7 @@ def write_state(
     recorded settings, which a resume must match; ``started_from`` the fingerprint of the model,
     teacher and data the run began with (:mod:`odeify.train.fingerprint`).
     """
-    tensors = _prefixed("model.", run.model)
+    tensors = _prefixed("model.", run.model) | _prefixed("sources.", run.sources)
     if run.ema is not None:
         tensors |= _prefixed("ema.", run.ema.module)
         rng = ema_rng(run.ema)
@@ -215,6 +217,7 @@ def read_state(path: Path) -> dict:
     for index, values in record["optimizer_scalars"].items():
         state.setdefault(int(index), {}).update(values)
     record["model"] = _unprefixed("model.", tensors)
+    record["sources"] = _unprefixed("sources.", tensors)
     record["ema"] = _unprefixed("ema.", tensors)
     record["ema_rng"] = tensors.get("ema_rng")
     record["optimizer"] = {"state": state, "param_groups": record["param_groups"]}

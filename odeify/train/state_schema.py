@@ -37,7 +37,7 @@ _HISTORY_FIELDS = {
     "knots": "counts",
     "steps": "counts",
 }
-_TENSOR_NAME = re.compile(r"(model|ema)\..+|ema_rng|optim\.(\d+)\.([A-Za-z_][A-Za-z0-9_]*)")
+_TENSOR_NAME = re.compile(r"(model|ema|sources)\..+|ema_rng|optim\.(\d+)\.([A-Za-z_][A-Za-z0-9_]*)")
 _PER_PARAMETER = {
     "exp_avg",
     "exp_avg_sq",
@@ -213,7 +213,8 @@ def _scalars(scalars: object) -> None:
 
 
 def validate_tensor_names(names: list[str], parameters: int) -> None:
-    """Every tensor name is one a training state holds: model.*, ema.*, ema_rng, optim.<index>.<name>."""
+    """Every tensor name is one a training state holds: model.*, ema.*, sources.* (the source tensors
+    fine-tuning trains, :mod:`odeify.train.parametrization`), ema_rng, optim.<index>.<name>."""
     for name in names:
         match = _TENSOR_NAME.fullmatch(name)
         _expect(match is not None, f"it holds a tensor named {name!r:.60}, which no training state has")
@@ -223,10 +224,17 @@ def validate_tensor_names(names: list[str], parameters: int) -> None:
 
 
 def check_tensors(
-    state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, average: nn.Module | None
+    state: Mapping[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    average: nn.Module | None,
+    sources: nn.Module | None = None,
 ) -> None:
-    """The state's tensors fit the model, its weight average and its optimizer (names, shapes, dtypes)."""
+    """The state's tensors fit the model, its weight average, its source tensors and its optimizer
+    (names, shapes, dtypes)."""
     _same_tensors(state["model"], model.state_dict(), "model")
+    if sources is not None:
+        _same_tensors(state["sources"], sources.state_dict(), "source")
     if average is not None:
         _same_tensors(state["ema"], average.state_dict(), "weight average")
     groups, mine = state["optimizer"]["param_groups"], optimizer.param_groups

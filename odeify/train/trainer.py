@@ -2,7 +2,9 @@
 
 :class:`Trainer` runs one epoch at a time (:meth:`Trainer.train_epoch`: the learning-rate schedule,
 the loss, the divergence checks, clipping, the optimizer step and the weight average), and saves and
-restores itself (:mod:`odeify.train.state`). :func:`odeify.train.finetune.finetune` drives it.
+restores itself (:mod:`odeify.train.state`). :func:`odeify.train.finetune.finetune` drives it. The
+optimizer trains the source's tensors of every folded layer (:mod:`odeify.train.parametrization`)
+and the model's other parameters.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from odeify.core.errors import TrainingDiverged
 from odeify.train.distributed import Processes
 from odeify.train.evaluate import evaluate
 from odeify.train.manifestations import refine
+from odeify.train.parametrization import SourceCoordinates, param_groups
 from odeify.train.recipe import EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import STATE_FILE, EpochRecord, ema_rng, write_epoch_outputs, write_state
@@ -56,7 +59,8 @@ class Trainer:
         self.teacher = teacher.to(procs.device) if teacher is not None else None
         self.step = 0
         self.model = model
-        self.optimizer = self._optimizer()
+        self.sources = SourceCoordinates(model)
+        self.optimizer, self.trained = self._optimizer()
         self.wrapped = self._wrap()
         self.ema = self._ema()
 
@@ -75,30 +79,37 @@ class Trainer:
             self.model, decay=self.recipe.ema_decay, use_warmup=True, warmup_power=EMA_WARMUP_POWER
         )
 
-    def _optimizer(self) -> torch.optim.Optimizer:
+    def _optimizer(self) -> tuple[torch.optim.Optimizer, dict[str, nn.Parameter]]:
+        """timm's optimizer over the source tensors and the other parameters, and those tensors by name."""
         from timm.optim import create_optimizer_v2
 
-        return create_optimizer_v2(
-            self.model, self.recipe.optimizer, lr=self.recipe.lr, weight_decay=self.recipe.weight_decay
+        recipe = self.recipe
+        groups, trained = param_groups(self.model, self.sources, recipe.weight_decay)
+        optimizer = create_optimizer_v2(
+            groups, recipe.optimizer, lr=recipe.lr, weight_decay=recipe.weight_decay
         )
+        return optimizer, trained
 
     def _wrap(self) -> nn.Module:
         if self.procs.world_size == 1:
             return self.model
         ids = [self.procs.device.index] if self.procs.device.type == "cuda" else None
-        return DistributedDataParallel(self.model, device_ids=ids)
+        # every buffer is the same on every rank and none changes in forward (BatchNorm is folded)
+        return DistributedDataParallel(self.model, device_ids=ids, broadcast_buffers=False)
 
     def replace_model(self, model: fx.GraphModule) -> int:
         """Train ``model`` from now on with a new optimizer that keeps the state of unchanged parameters.
 
         Returns how many parameters kept their optimizer state (same name and shape).
         """
-        old_params = dict(self.model.named_parameters())
+        old_params, old_sources = self.trained, self.sources
         old_state = self.optimizer.state
         self.model = model.to(self.procs.device)
-        self.optimizer = self._optimizer()
+        self.sources = SourceCoordinates(self.model)
+        self.sources.adopt(old_sources)
+        self.optimizer, self.trained = self._optimizer()
         kept = 0
-        for name, param in self.model.named_parameters():
+        for name, param in self.trained.items():
             old = old_params.get(name)
             if old is not None and old.shape == param.shape and old in old_state:
                 self.optimizer.state[param] = {
@@ -113,7 +124,7 @@ class Trainer:
     def train_epoch(self, loader, batches: int, epoch: int, show: bool) -> EpochRecord:
         """One pass over ``batches`` batches; the loss and accuracy are averaged over all ranks."""
         recipe, device = self.recipe, self.procs.device
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = list(self.trained.values())
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
         self.model.train()
         bar = tqdm(total=batches, desc=f"epoch {epoch}/{recipe.epochs}", disable=not show, leave=False)
@@ -129,12 +140,14 @@ class Trainer:
             logits = self.wrapped(x)
             loss = self._loss(logits, x, y)
             self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
             loss.backward()
             where = f"epoch {epoch}, batch {index + 1}/{batches} (optimizer step {self.step + 1})"
             if not torch.isfinite(loss):
                 raise TrainingDiverged(
                     f"fine-tuning stopped at {where}: the loss is {loss.item()}. {_advice(x, y)}"
                 )
+            self.sources.pull()
             grads = [p.grad for p in params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
             if not torch.isfinite(norm):
@@ -144,6 +157,7 @@ class Trainer:
             if recipe.clip_grad_norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, recipe.clip_grad_norm, norm)
             self.optimizer.step()
+            self.sources.push()
             self.step += 1
             if self.ema is not None:
                 self.ema.update(self.model, step=self.step)
@@ -201,6 +215,7 @@ class Trainer:
         """Restore weights, weight average, optimizer state and step count from a read training state."""
         device = self.procs.device
         self.model.load_state_dict({k: v.to(device) for k, v in state["model"].items()})
+        self.sources.load({k: v.to(device) for k, v in state["sources"].items()})
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
         if self.ema is not None:
