@@ -86,6 +86,7 @@ def candidates() -> dict[str, Any]:
         "lr 1e-4": replace(before, lr=1e-4),
         "lr 5e-5": replace(before, lr=5e-5),
         "lr 1e-4, 5 epochs": replace(before, lr=1e-4, epochs=5),
+        "lr 2e-4, 6 epochs": replace(before, lr=2e-4, epochs=6),
         "lr 2e-4, half distillation": replace(before, lr=2e-4, distill=0.5),
         "lr 2e-4, no warm-up": replace(before, lr=2e-4, warmup=0.0),
         "lr 2e-4, warm-up 0.3": replace(before, lr=2e-4, warmup=0.3),
