@@ -404,7 +404,10 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--recipes", type=lambda s: s.split(","), default=["default"], help="labels, or 'all'"
+        "--recipes",
+        type=lambda s: s.split(";"),
+        default=["default"],
+        help="labels separated by ';' (labels hold commas), or 'all'",
     )
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     parser.add_argument(
