@@ -6,7 +6,9 @@ magnitude (``odeify.runtime.lattice.lattice_bits``). What the forward keeps for 
 it must fall back, depends on how large those counts get: the state outgrows the input by the
 stage's growth, and float64 sums stay exact below 2^52. For every stage of resnet50 (random
 non-trivial weights, standard-normal 224x224 images) and of the shipped digits model (its test
-images), at native and 4x steps, for both schemes, this prints and records the largest |count| of
+images), at native and 4x steps, for both schemes (``--models`` adds resnet152, whose random-weight
+layer3 outgrows the lattice; ``--files`` adds trained checkpoints, e.g. the corpus's, with their
+standard-normal images at ``--file-size``), this prints and records the largest |count| of
 the output register, of the other register as the forward keeps it (Heun: d_N = z_N - y_N; ALF:
 p_N), of the output's rounding residual to the input dtype, and of every evaluation's input along
 the way, and the integer types the compact state uses.
@@ -37,6 +39,8 @@ HEADERS = (
     "output residual", "peak evaluation input", "residual kept as", "other kept as",
 )  # fmt: skip
 INTEGRATORS = ("reversible_heun", "alf")
+RANDOM_MODELS = ("resnet50", "resnet152")
+"""timm models with random non-trivial weights (``make_test_model``), at 224x224."""
 
 
 def stage_inputs(gm: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -74,9 +78,8 @@ def _stage_row(stage: odeify.ODEStage, x_in: torch.Tensor) -> tuple[str, ...]:
     residual = registers[0] - torch.div(out, lattice.quantum)
     layout = program.scheme.registers
     other = registers[1] - registers[0] if layout[1].kept == "relative" else registers[1].clone()
-    _, packed, why = lattice.pack(registers, layout)  # consumes the registers after the first
-    assert packed is not None, why
-    kept, compact, _ = packed
+    _, packed, _why = lattice.pack(registers, layout)  # consumes the registers after the first
+    kept, compact = (None, None) if packed is None else packed[:2]
     peak = max(float((p.double().abs() / lattice.quantum).amax()) for p in points)
     growth = float((out.abs().amax(dim=(1, 2, 3)) / x_in.abs().amax(dim=(1, 2, 3))).max())
     return (
@@ -87,20 +90,38 @@ def _stage_row(stage: odeify.ODEStage, x_in: torch.Tensor) -> tuple[str, ...]:
         log2(float(other.abs().amax())),
         log2(float(residual.abs().amax())),
         log2(peak),
-        "nothing" if kept is None else str(kept.dtype).removeprefix("torch."),
-        str(compact.dtype).removeprefix("torch."),
+        "-" if compact is None else "nothing" if kept is None else str(kept.dtype).removeprefix("torch."),
+        "falls back (past 2^52)" if compact is None else str(compact.dtype).removeprefix("torch."),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=2, help="resnet50 images (digits: its 360 test images)")
+    parser.add_argument(
+        "--batch", type=int, default=2, help="timm models' images (digits: its 360 test images)"
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=("digits", *RANDOM_MODELS),
+        default=["digits", "resnet50"],
+        help="models",
+    )
+    parser.add_argument("--files", nargs="*", default=[], metavar="PATH", help="trained checkpoints to add")
+    parser.add_argument("--file-size", type=int, default=32, metavar="N", help="image side for --files")
     parser.add_argument("--output", type=Path, default=RESULTS / "lattice_range.md", help="Markdown record")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    rows = measure("digits", load_model(DEFAULT_MODEL_PATH), load_digits("test")[0])
-    images = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
-    rows += measure("resnet50", make_test_model("resnet50"), images)
+    rows = []
+    if "digits" in args.models:
+        rows += measure("digits", load_model(DEFAULT_MODEL_PATH), load_digits("test")[0])
+    for name in (m for m in args.models if m != "digits"):
+        images = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+        rows += measure(name, make_test_model(name), images)
+    for path in args.files:
+        size = args.file_size
+        images = torch.randn(args.batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+        rows += measure(path, load_model(path), images)
     bits = lattice_bits(torch.float32)
     command = command_line(__file__, argv)
     lines = [
