@@ -117,7 +117,8 @@ def test_inspect_vit_code_shows_the_split_steps(capsys: pytest.CaptureFixture[st
     sub-step's state: step n, sub-step k, sub-field F_i (attention F1, MLP F2)."""
     assert main(["inspect", "vit_tiny_patch16_224", "--code"]) == 0
     captured = capsys.readouterr()
-    assert "1 runs (1 of them split stages), 24 identity blocks become ODE stages" in captured.err
+    caption = " ".join(captured.err.split())  # the table wraps its caption to the console's width
+    assert "1 runs (1 of them split stages), 24 identity blocks become ODE stages" in caption
     for state in ("blocks_add_s0_1_F1 =", "blocks_add_s0_2_F2 =", "blocks_add_s11_2_F2 ="):
         assert state in captured.out, state
 
