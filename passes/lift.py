@@ -60,7 +60,19 @@ class RunParts:
     """For each slot read from the model's attributes: the attribute path it came from, per block."""
 
 
-StageFactory = Callable[[Run, RunParts], StageIR]
+@dataclass(frozen=True)
+class SplitParts:
+    """What lifting extracts from a run of period p: one :class:`RunParts` per sub-field.
+
+    ``fields[i]`` is the period-1 run of every period's i-th sub-block (a ViT's attention halves,
+    then its MLP halves); ``forms[i]`` is that sub-block's form.
+    """
+
+    fields: tuple[RunParts, ...]
+    forms: tuple[str, ...]
+
+
+StageFactory = Callable[[Run, RunParts | SplitParts], StageIR]
 
 
 class NotLiftable(Exception):
@@ -86,7 +98,7 @@ def lift_runs(
     for run in runs:
         run = _follow_renames(run, renamed)
         try:
-            parts = extract_run(gm, run)
+            parts = extract_run(gm, run) if run.period == 1 else extract_split_run(gm, run)
         except NotLiftable as why:
             skipped[run.name] = str(why)
             continue
@@ -115,17 +127,33 @@ def _follow_renames(run: Run, renamed: dict[str, str]) -> Run:
     return dataclasses.replace(run, blocks=(dataclasses.replace(first, fork=fork), *run.blocks[1:]))
 
 
-def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
+def extract_split_run(gm: fx.GraphModule, run: Run) -> SplitParts:
+    """One template, slots and knot stacks per sub-field of a run of period p (see :class:`SplitParts`).
+
+    Sub-field i is extracted as the period-1 run of blocks i, i + p, i + 2p, ...; their forks read
+    the other fields' outputs, so containment is checked for the whole run instead.
+    """
+    if run.glue:
+        raise NotLiftable(
+            f"its periods of {run.period} sub-blocks are joined by layout nodes ({', '.join(run.glue)}), "
+            "which a split stage does not hold yet (Swin); its blocks stay as they are"
+        )
+    p = run.period
+    subruns = [dataclasses.replace(run, blocks=run.blocks[i::p], period=1) for i in range(p)]
+    fields = tuple(extract_run(gm, sub, contained_in=run) for sub in subruns)
+    return SplitParts(fields, tuple(sub.form for sub in subruns))
+
+
+def extract_run(gm: fx.GraphModule, run: Run, *, contained_in: Run | None = None) -> RunParts:
     """Template graph, slots, stacked tensors and per-block module variants of one run.
 
     The blocks are walked in step over their core nodes (pass-through calls skipped, as the runs
     analysis compares them); each block's pass-through calls are put back on the edge they sit on.
+    ``contained_in`` is the run whose nodes must not leak out (default ``run``; a split run's
+    sub-field is checked as the whole run).
     """
     if run.period > 1:
-        raise NotLiftable(
-            f"a run of {run.length} periods of {run.period} residual sub-blocks (e.g. attention and MLP "
-            "halves) becomes one splitting stage, which is not implemented yet; its blocks stay as they are"
-        )
+        raise NotLiftable(f"a run of period {run.period} is lifted by extract_split_run, not extract_run")
     if run.glue:
         raise NotLiftable(
             f"its blocks are joined by layout nodes ({', '.join(run.glue)}), which a stage template does "
@@ -134,7 +162,9 @@ def extract_run(gm: fx.GraphModule, run: Run) -> RunParts:
     nodes = {n.name: n for n in gm.graph.nodes}
     modules = dict(gm.named_modules())
     members = [{n.name for n in block_node_list(b, nodes)} for b in run.blocks]
-    _check_contained(run, set().union(*members), nodes, live_nodes(gm.graph))
+    outer = contained_in or run
+    outer_members = {n.name for b in outer.blocks for n in block_node_list(b, nodes)}
+    _check_contained(outer, outer_members, nodes, live_nodes(gm.graph))
     cores = [core_nodes(b, nodes, modules) for b in run.blocks]
     if len({len(core) for core in cores}) != 1:
         raise NotLiftable("the blocks' graphs differ in size; they cannot share one template")

@@ -112,6 +112,25 @@ def test_inspect_resnet18_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert [r[0] for r in discrete] == ["layer2.0", "layer3.0", "layer4.0"]
 
 
+def test_inspect_vit_code_shows_the_split_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    """The acceptance line: vit_tiny (random weights, 224x224) is one split stage; --code names each
+    sub-step's state: step n, sub-step k, sub-field F_i (attention F1, MLP F2)."""
+    assert main(["inspect", "vit_tiny_patch16_224", "--code"]) == 0
+    captured = capsys.readouterr()
+    caption = " ".join(captured.err.split())  # the table wraps its caption to the console's width
+    assert "1 runs (1 of them split stages), 24 identity blocks become ODE stages" in caption
+    for state in ("blocks_add_s0_1_F1 =", "blocks_add_s0_2_F2 =", "blocks_add_s11_2_F2 ="):
+        assert state in captured.out, state
+
+
+def test_convert_a_timm_name_without_weights_verifies(capsys: pytest.CaptureFixture[str]) -> None:
+    """Verify's source and the converted model are built from one seed: they were two random draws
+    (resnet18 at 64x64: relative error 1.46, exit 1); now round-off (measured 3.9e-7)."""
+    assert main(["convert", "resnet18", *SMALL, "--json"]) == 0
+    check = json.loads(capsys.readouterr().out)["verify"]
+    assert check["passed"] and check["relative_error"] <= 1e-5, check
+
+
 def test_inspect_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "resnet18", *SMALL, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)  # nothing but JSON on stdout

@@ -12,6 +12,7 @@ import pytest
 
 from odeify.core.errors import ConfigError
 from odeify.numerics.schemes import Add, Evaluate, Reflect, validate_scheme
+from odeify.numerics.splitting import SPLITTINGS
 from odeify.numerics.tableaus import (
     KNOWN_INTEGRATORS,
     REVERSIBLE_SCHEMES,
@@ -100,11 +101,27 @@ EXPECTED_ORDERS = {
 
 def test_registry_has_exactly_the_documented_methods() -> None:
     assert {name: t.order for name, t in TABLEAUS.items()} == EXPECTED_ORDERS
-    assert set(KNOWN_INTEGRATORS) == set(EXPECTED_ORDERS) | {"reversible_heun", "alf"}
+    others = {"reversible_heun", "alf", "lie_trotter", "strang"}
+    assert set(KNOWN_INTEGRATORS) == set(EXPECTED_ORDERS) | others
     assert {name: s.order for name, s in REVERSIBLE_SCHEMES.items()} == {"reversible_heun": 2, "alf": 2}
+    assert {name: s.order for name, s in SPLITTINGS.items()} == {"lie_trotter": 1, "strang": 2}
     assert list(KNOWN_INTEGRATORS) == sorted(KNOWN_INTEGRATORS)
     for name, t in TABLEAUS.items():
         assert t.name == name
+
+
+@pytest.mark.parametrize("name", sorted(SPLITTINGS))
+@pytest.mark.parametrize("fields", [1, 2, 3, 4])
+def test_a_splitting_integrates_each_field_once_over_the_whole_step(name: str, fields: int) -> None:
+    """Consistency: each sub-field's sub-steps tile [0, 1] of the step, in order of their starts."""
+    substeps = SPLITTINGS[name].substeps(fields)
+    assert SPLITTINGS[name].substep in TABLEAUS
+    for field in range(fields):
+        mine = [s for s in substeps if s.field == field]
+        assert mine[0].start == 0 and sum(s.length for s in mine) == 1
+        assert all(a.start + a.length == b.start for a, b in zip(mine, mine[1:], strict=False))
+    if SPLITTINGS[name].order == 2:  # symmetric: the step read backward is the same sub-steps
+        assert [s.field for s in substeps] == [s.field for s in reversed(substeps)]
 
 
 @pytest.mark.parametrize("name", sorted(TABLEAUS))

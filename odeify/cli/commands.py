@@ -8,6 +8,7 @@ notes go to stderr whenever stdout carries JSON or code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -96,7 +97,8 @@ def _source_model(args: argparse.Namespace) -> tuple[nn.Module, str, tuple[int, 
 
     size = _input_size(args)
     _refuse_converted(args)
-    model, name = resolve_model(_source(args), **_load_kwargs(args))
+    with _seeded_random_weights(args):
+        model, name = resolve_model(_source(args), **_load_kwargs(args))
     if not args.model:
         name = DEFAULT_MODEL_PATH.name
     return model, name, input_shape_for(model, size)
@@ -107,9 +109,28 @@ def _convert_source(args: argparse.Namespace, **settings: Any) -> fx.GraphModule
     size = _input_size(args)
     _refuse_converted(args)
     leaves = _leaf_modules(_source_model(args)[0], args.leaf) if args.leaf else []
-    return odeify.convert(
-        _source(args), input_size=size, leaf_modules=leaves, **_load_kwargs(args), **settings
-    )
+    with _seeded_random_weights(args):
+        return odeify.convert(
+            _source(args), input_size=size, leaf_modules=leaves, **_load_kwargs(args), **settings
+        )
+
+
+RANDOM_WEIGHTS_SEED = 0
+
+
+@contextlib.contextmanager
+def _seeded_random_weights(args: argparse.Namespace):
+    """Random weights from one seed while a timm name without weights is built.
+
+    Such a MODEL is built twice (the source that --verify runs, and the one convert converts and
+    saves); drawn from one seed they are the same network, so the check compares like with like.
+    """
+    if not _random_timm_weights(args):
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RANDOM_WEIGHTS_SEED)
+        yield
 
 
 def _leaf_modules(model: nn.Module, names: list[str]) -> list[type[nn.Module]]:

@@ -23,7 +23,14 @@ import torch.fx as fx
 
 from odeify.ir.meta import tag
 from odeify.ir.stage_ir import Slot, StageIR
-from odeify.numerics.tableaus import AsyncLeapfrog, ReversibleHeun, ReversibleScheme, Tableau
+from odeify.numerics.tableaus import (
+    TABLEAUS,
+    AsyncLeapfrog,
+    ReversibleHeun,
+    ReversibleScheme,
+    Splitting,
+    Tableau,
+)
 
 DENSE_MIX_ABOVE = 4  # rows with more nonzero coefficients use one tensordot instead of a sum
 
@@ -64,6 +71,7 @@ class StageWriter:
         self._knots: dict[tuple[str, int], fx.Node] = {}
         self._unbound: dict[str, fx.Node] = {}
         self.evaluations = 0
+        self.field_writers: list[StageWriter] | None = None  # a split stage's, made by field_writers()
 
     # -- node creation -------------------------------------------------------------------------
     def node(
@@ -144,7 +152,9 @@ class StageWriter:
                 if tnode.op == "call_module":
                     key = self.stage.variant_targets.get(target)
                     target = (
-                        f"{self.prefix}variants.{key}.{variant}" if key else f"{self.prefix}template.{target}"
+                        f"{self.prefix}variants.{key}.{variant}"
+                        if key
+                        else f"{self.prefix}{self.stage.template_attr}.{target}"
                     )
                 args = fx.map_arg(tnode.args, env.__getitem__)
                 kwargs = fx.map_arg(tnode.kwargs, env.__getitem__)
@@ -241,9 +251,92 @@ def alf_step(w: StageWriter, n: int, z: fx.Node, v: fx.Node | None) -> tuple[fx.
     return z_next, v_next
 
 
+# -- splitting schemes: one step of a stage of sub-fields (odeify.numerics.splitting) ---------------
+def field_writers(w: StageWriter) -> list[StageWriter]:
+    """One writer per sub-field of a split stage, on ``w``'s graph, knot inputs and window (made once)."""
+    if w.field_writers is None:
+        w.field_writers = [
+            StageWriter(
+                view,
+                w.graph,
+                w.prefix.removesuffix("."),
+                {s.name: w.knot_inputs[s.name] for s in view.slots if s.kind != "shared"},
+                w.window,
+            )
+            for view in w.stage.field_views()
+        ]
+    return w.field_writers
+
+
+def split_step(w: StageWriter, scheme: Splitting, n: int, y: fx.Node, direction: int = 1) -> fx.Node:
+    """One step of a splitting scheme from step ``n``'s start (``direction=-1``: from its end, backward).
+
+    Each sub-step integrates one sub-field over its part of the step; backward, the sub-steps run
+    in reverse order, each from its end. States between sub-steps are named ``x<n>_<k>_F<field>``.
+    """
+    writers = field_writers(w)
+    h = Fraction(1, w.stage.steps)
+    substeps = scheme.substeps(len(writers))
+    ordered = substeps if direction > 0 else tuple(reversed(substeps))
+    tableau = TABLEAUS[scheme.substep]
+    for k, sub in enumerate(ordered, start=1):
+        lo = (n + sub.start) * h
+        hi = lo + sub.length * h
+        begin, span = (lo, hi - lo) if direction > 0 else (hi, lo - hi)
+        end = n + 1 if direction > 0 else n
+        name = f"{w.tag}_x{end}" if k == len(ordered) else f"{w.tag}_x{n}_{k}_F{sub.field + 1}"
+        y = _substep(writers[sub.field], tableau, begin, span, y, f"s{n}_{k}_F{sub.field + 1}", name)
+    w.used_knots.update(*(fw.used_knots for fw in writers))
+    w.evaluations = sum(fw.evaluations for fw in writers)
+    return y
+
+
+def _substep(
+    w: StageWriter, tableau: Tableau, begin: Fraction, h: Fraction, y: fx.Node, tag: str, name: str
+) -> fx.Node:
+    """One explicit Runge-Kutta step of one sub-field from time ``begin`` over the signed length ``h``.
+
+    A stage time on the sub-interval's upper end takes the left limit (from inside). A forward Euler
+    sub-step over exactly one block's cell is that block, as in :func:`rk_step`.
+    """
+    depth = w.stage.depth
+    if (
+        h > 0
+        and tableau.stages == 1
+        and tableau.b == (1,)
+        and h * depth == 1
+        and (begin * depth).denominator == 1
+    ):
+        w.evaluations += 1
+        return w.block(begin, False, y, tag)[1]
+    top = max(begin, begin + h)
+    ks: list[fx.Node] = []
+    for i in range(tableau.stages):
+        t = begin + h * tableau.c[i]
+        terms = [(h * a, k) for a, k in zip(tableau.a[i][:i], ks, strict=True)]
+        yi = w.axpy(y, terms, name=f"{w.tag}_y_{tag}_{i + 1}")
+        ks.append(w.field(t, t == top, yi, f"{tag}_{i + 1}"))
+    return w.axpy(y, [(h * b, k) for b, k in zip(tableau.b, ks, strict=True)], name=name)
+
+
+def summed_field(w: StageWriter, t: Fraction, left: bool, y: fx.Node) -> fx.Node:
+    """F(t, y) of a split stage: the sum of its sub-fields."""
+    total = None
+    for i, fw in enumerate(field_writers(w), start=1):
+        f = fw.field(t, left, y, f"t_F{i}")
+        total = f if total is None else w.node("call_function", operator.add, (total, f), name=f"{w.tag}_F")
+    w.used_knots.update(*(fw.used_knots for fw in field_writers(w)))
+    w.evaluations = sum(fw.evaluations for fw in field_writers(w))
+    return total
+
+
 def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
     """The whole stage, unrolled: returns the node holding x(1)."""
     integrator = w.stage.integrator
+    if isinstance(integrator, Splitting):
+        for n in range(w.stage.steps):
+            x = split_step(w, integrator, n, x)
+        return x
     if isinstance(integrator, ReversibleHeun):
         y, z = x, x
         for n in range(w.stage.steps):
@@ -304,6 +397,10 @@ def build_step_graph(stage: StageIR, n: int, kind: str) -> StepGraph:
             )
         return _graph_over_knots(stage, f"forward_step{n}", ("z", "v"), lambda w, z, v: alf_step(w, n, z, v))
     direction = 1 if kind == "forward" else -1
+    if isinstance(integrator, Splitting):
+        return _graph_over_knots(
+            stage, f"{kind}_step{n}", ("x",), lambda w, x: (split_step(w, integrator, n, x, direction),)
+        )
     return _graph_over_knots(
         stage, f"{kind}_step{n}", ("x",), lambda w, x: (rk_step(w, integrator, n, x, direction),)
     )
@@ -311,6 +408,8 @@ def build_step_graph(stage: StageIR, n: int, kind: str) -> StepGraph:
 
 def build_field_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:
     """A graph ``(x, knots...) -> F(t, x)`` for one time, over the knots it reads."""
+    if isinstance(stage.integrator, Splitting):
+        return _graph_over_knots(stage, "field", ("x",), lambda w, x: summed_field(w, t, left, x))
     return _graph_over_knots(stage, "field", ("x",), lambda w, x: w.field(t, left, x, "t"))
 
 

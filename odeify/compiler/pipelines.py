@@ -21,7 +21,7 @@ from odeify.ir.plan import Plan, Run
 from odeify.models.timm_interface import META_TIMM
 from odeify.passes.fold_bn import FOLD_BATCHNORM, fold_batchnorm
 from odeify.passes.head import MARK_HEAD, mark_head
-from odeify.passes.lift import LIFT_RUNS, RunParts, lift_runs
+from odeify.passes.lift import LIFT_RUNS, RunParts, SplitParts, lift_runs
 from odeify.passes.lower import LOWER_STAGES, RAISE_STAGES, lower_stages, raise_stages, stage_nodes
 from odeify.passes.manifest import SET_MANIFESTATION, set_manifestation
 from odeify.passes.properties import LOWERED, SEGMENTS, SHAPES
@@ -29,6 +29,7 @@ from odeify.passes.residual_blocks import FIND_BLOCKS, find_blocks
 from odeify.passes.runs import GROUP_RUNS, group_runs
 from odeify.passes.segments import CHECKPOINT_SEGMENTS, INLINE_SEGMENTS, checkpoint_segments, inline_segments
 from odeify.passes.tracing import ANNOTATE_SHAPES, TRACE, annotate_shapes, trace
+from odeify.runtime.split_stage import SplitStage
 from odeify.runtime.stage import ODEStage
 
 __all__ = ["ANALYZE", "ANALYZE_GRAPH", "CONVERT", "PIPELINES", "REMANIFEST", "TRACE_SHAPES"]
@@ -70,8 +71,23 @@ def _group_runs(job: Job) -> None:
     )
 
 
-def _native_stage(run: Run, parts: RunParts) -> ODEStage:
-    """A run as a stage at native settings (one knot per block, Euler, one step per block)."""
+def _native_stage(run: Run, parts: RunParts | SplitParts) -> ODEStage:
+    """A run as a stage at native settings (one knot per block, Euler, one step per block).
+
+    A run of period p becomes a split stage (one sub-field per sub-block, Lie-Trotter splitting).
+    """
+    if isinstance(parts, SplitParts):
+        fields = parts.fields
+        return SplitStage(
+            run.name,
+            [f.template for f in fields],
+            [f.slots for f in fields],
+            [f.tensors for f in fields],
+            [f.variants for f in fields],
+            parts.forms,
+            run.length,
+            integrator="lie_trotter",
+        )
     tensors = {slot.name: parts.tensors[slot.name] for slot in parts.slots}
     return ODEStage(run.name, parts.template, parts.slots, tensors, run.form, run.length, parts.variants)
 

@@ -49,9 +49,9 @@ class Run:
     ``length`` blocks. With ``period`` p > 1 the run is ``length`` repetitions of p consecutive
     sub-blocks whose signatures repeat (a transformer's attention and MLP halves: p = 2; Swin's
     unshifted and shifted attention with their MLPs: p = 4), the form of a splitting scheme
-    dx/dt = F_1 + ... + F_p; ``convert`` does not lift such runs yet. ``glue`` names the
-    parameter-free layout nodes (reshapes) between consecutive sub-blocks, and after the last one
-    when a period ends in glue, in graph order: they belong to the period (Swin).
+    dx/dt = F_1 + ... + F_p: ``convert`` lifts it to one split stage unless it has glue. ``glue``
+    names the parameter-free layout nodes (reshapes) between consecutive sub-blocks, and after the
+    last one when a period ends in glue, in graph order: they belong to the period (Swin).
     """
 
     name: str

@@ -17,7 +17,7 @@ from typing import Literal
 
 from odeify.core.errors import ConfigError
 from odeify.numerics.bases import get_basis
-from odeify.numerics.tableaus import AsyncLeapfrog, Integrator, ReversibleScheme
+from odeify.numerics.tableaus import AsyncLeapfrog, Integrator, ReversibleScheme, Splitting
 
 __all__ = [
     "BACKWARD_MODES",
@@ -74,6 +74,13 @@ def validate_checkpoint_every(every: object, stage: str) -> int:
 def validate_backward(mode: object, integrator: Integrator) -> BackwardMode:
     if mode not in BACKWARD_MODES:
         raise ConfigError(f"unknown backward mode {mode!r}; choose one of {', '.join(BACKWARD_MODES)}.")
+    if mode == "reversible" and isinstance(integrator, Splitting):
+        raise ConfigError(
+            f"backward='reversible' runs an algebraically reversible scheme on a fixed-point lattice, "
+            f"and none is built for split stages yet (integrator='{integrator.name}'). Use "
+            "backward='checkpoint' (exact gradients, memory ~ steps/k + k states) or 'reverse' "
+            "(approximate, memory-free)."
+        )
     if mode == "reversible" and not isinstance(integrator, ReversibleScheme):
         raise ConfigError(
             f"backward='reversible' needs an algebraically reversible integrator, but the stage uses "

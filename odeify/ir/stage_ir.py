@@ -31,7 +31,7 @@ from odeify.ir.settings import (
     validate_steps,
 )
 from odeify.numerics.bases import get_basis
-from odeify.numerics.tableaus import Integrator, ReversibleScheme, resolve_integrator
+from odeify.numerics.tableaus import Integrator, ReversibleScheme, Splitting, resolve_integrator
 
 
 def _setting(name: str, doc: str) -> property:
@@ -58,6 +58,9 @@ class StageIR(nn.Module):
     converted model's own graph: that graph no longer calls the stage, so :meth:`configure` then
     refuses (it could not take effect) and points to ``odeify.retarget`` / ``odeify.set_backward``.
     """
+
+    template_attr = "template"
+    """Where the block template sits in this module (the code generator calls its modules there)."""
 
     def __init__(
         self,
@@ -136,6 +139,12 @@ class StageIR(nn.Module):
     def _validated(self, wanted: StageSettings) -> StageSettings:
         """``wanted`` with every entry checked (names resolved), or a ConfigError naming the fix."""
         name = self.stage_name
+        if isinstance(wanted.integrator, Splitting):
+            raise ConfigError(
+                f"integrator='{wanted.integrator.name}' splits a stage's field into the sub-fields of a "
+                f"transformer block (attention, MLP), but stage '{name}' is one residual block per step: "
+                "give it a tableau such as 'euler', 'heun' or 'rk4'."
+            )
         settings = StageSettings(
             get_basis(wanted.basis).name,
             wanted.integrator,
@@ -157,7 +166,7 @@ class StageIR(nn.Module):
     @property
     def draws_random(self) -> bool:
         """Whether a block evaluation may draw random numbers (DropPath, dropout) in train mode."""
-        return any(_may_draw_random(m) for m in [*self.template.modules(), *self.variants.modules()])
+        return any(may_draw_random(m) for m in [*self.template.modules(), *self.variants.modules()])
 
     @property
     def num_knots(self) -> int:
@@ -243,7 +252,8 @@ def _row(basis: str, knots: int, t: Fraction, left: bool) -> tuple[Fraction, ...
     return tuple(get_basis(basis).coefficients(knots, t, left))
 
 
-def _may_draw_random(module: nn.Module) -> bool:
+def may_draw_random(module: nn.Module) -> bool:
+    """Whether ``module`` draws random numbers in train mode (dropout with p > 0, DropPath)."""
     if isinstance(module, nn.modules.dropout._DropoutNd):
         return module.p > 0
     return bool(getattr(module, "drop_prob", 0))

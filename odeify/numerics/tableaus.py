@@ -19,6 +19,7 @@ from functools import cache
 from odeify.core.errors import ConfigError
 from odeify.core.limits import MAX_NAME
 from odeify.numerics.schemes import AsyncLeapfrog, ReversibleHeun, ReversibleScheme
+from odeify.numerics.splitting import SPLITTINGS, Splitting
 
 __all__ = [
     "KNOWN_INTEGRATORS",
@@ -28,6 +29,7 @@ __all__ = [
     "Integrator",
     "ReversibleHeun",
     "ReversibleScheme",
+    "Splitting",
     "Tableau",
     "resolve_integrator",
     "to_fraction",
@@ -298,7 +300,7 @@ def _show(values: Sequence[Fraction]) -> str:
     return "[" + ", ".join(str(v) for v in values) + "]"
 
 
-Integrator = Tableau | ReversibleHeun | AsyncLeapfrog
+Integrator = Tableau | ReversibleHeun | AsyncLeapfrog | Splitting
 
 _h = "1/2"
 TABLEAUS: dict[str, Tableau] = {
@@ -329,15 +331,15 @@ del _h
 REVERSIBLE_SCHEMES: dict[str, ReversibleScheme] = {s.name: s for s in (ReversibleHeun(), AsyncLeapfrog())}
 """The built-in reversible integrators by name (``backward='reversible'`` runs any of them)."""
 
-KNOWN_INTEGRATORS: tuple[str, ...] = tuple(sorted([*TABLEAUS, *REVERSIBLE_SCHEMES]))
+KNOWN_INTEGRATORS: tuple[str, ...] = tuple(sorted([*TABLEAUS, *REVERSIBLE_SCHEMES, *SPLITTINGS]))
 
 
 def resolve_integrator(spec: str | Integrator) -> Integrator:
-    """Turn an integrator name or object into a Tableau or a reversible scheme; ConfigError if unknown.
+    """An integrator name or object as a Tableau, a reversible or a splitting scheme; ConfigError if unknown.
 
     Names are case-insensitive and '-' counts as '_' ("RK4-38" -> rk4_38).
     """
-    if isinstance(spec, (Tableau, ReversibleScheme)):
+    if isinstance(spec, (Tableau, ReversibleScheme, Splitting)):
         return spec
     if isinstance(spec, str):
         key = spec.strip().lower().replace("-", "_")
@@ -345,6 +347,8 @@ def resolve_integrator(spec: str | Integrator) -> Integrator:
             return REVERSIBLE_SCHEMES[key]
         if key in TABLEAUS:
             return TABLEAUS[key]
+        if key in SPLITTINGS:
+            return SPLITTINGS[key]
         raise ConfigError(
             f"unknown integrator {spec!r}; known: {', '.join(KNOWN_INTEGRATORS)}. A custom explicit method "
             "can be passed as a tableau built with odeify.Tableau.create(name, a, b, order=...)."

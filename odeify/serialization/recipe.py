@@ -24,7 +24,7 @@ from odeify.compiler.record import META
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ConfigError, ModelLoadError
 from odeify.models.data_config import data_config_entries
-from odeify.numerics.tableaus import REVERSIBLE_SCHEMES, TABLEAUS, Tableau, resolve_integrator
+from odeify.numerics.tableaus import REVERSIBLE_SCHEMES, SPLITTINGS, TABLEAUS, Tableau, resolve_integrator
 from odeify.passes.segments import has_segments
 from odeify.runtime.stage import ODEStage
 
@@ -132,10 +132,11 @@ def recipe_of(model: nn.Module, probe: dict[str, Any] | None = None) -> Recipe:
 
 def _stage_recipe(stage: Any, module: str) -> StageRecipe:
     integrator = stage.integrator
-    if not isinstance(integrator, Tableau) and REVERSIBLE_SCHEMES.get(integrator.name) != integrator:
+    named = {**REVERSIBLE_SCHEMES, **SPLITTINGS}
+    if not isinstance(integrator, Tableau) and named.get(integrator.name) != integrator:
         raise ConfigError(
             f"stage '{stage.stage_name}' uses the integrator {integrator!r}, which a saved recipe cannot "
-            f"name (it records one of {', '.join(REVERSIBLE_SCHEMES)} or a tableau): retarget it to a "
+            f"name (it records one of {', '.join(named)} or a tableau): retarget it to a "
             "built-in integrator before saving."
         )
     builtin = not isinstance(integrator, Tableau) or TABLEAUS.get(integrator.name) == integrator

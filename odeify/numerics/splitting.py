@@ -1,0 +1,68 @@
+"""Splitting schemes as data: how a stage of p sub-fields, dx/dt = F_1 + ... + F_p, takes a step.
+
+A transformer block is two residual sub-blocks, ``x + attn(x)`` then ``x + mlp(x)``: one step of
+*Lie-Trotter splitting* (each sub-field an Euler sub-step in turn) of dx/dt = F_attn + F_mlp, so
+at native depth that scheme is the network. A :class:`Splitting` names the sub-steps of one step
+as (sub-field, where its sub-interval starts, its length), in fractions of the step, and the
+explicit tableau (by name, :data:`odeify.numerics.tableaus.TABLEAUS`) that integrates each one.
+Each sub-field keeps its own clock: a sub-step over [a, a + l] of the step evaluates its field's
+weights at times in that interval, which makes Strang splitting of the time-dependent field
+second order (it is Strang splitting of the autonomous system with one clock per sub-field).
+
+- ``lie_trotter``: F_1, ..., F_p, one full Euler sub-step each; first order; the network at native
+  depth (docs/design.md, "Split stages").
+- ``strang``: F_1 .. F_{p-1} half sub-steps, F_p a full one, then F_{p-1} .. F_1 half sub-steps
+  over the step's second half (half attention, full MLP, half attention: Lu et al. 2019's Macaron
+  form), each sub-step by the explicit midpoint rule so that the composition is second order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+__all__ = ["SPLITTINGS", "SubStep", "Splitting"]
+
+
+@dataclass(frozen=True)
+class SubStep:
+    """Integrate sub-field ``field`` over ``[start, start + length]`` of the step (fractions of h)."""
+
+    field: int
+    start: Fraction
+    length: Fraction
+
+
+@dataclass(frozen=True)
+class Splitting:
+    """A splitting scheme: the sub-steps of one step, for any number of sub-fields.
+
+    ``pattern`` is ``sequential`` (each sub-field once over the whole step, in order) or
+    ``symmetric`` (Strang: the first p - 1 sub-fields over each half of the step, around the last
+    over the whole step). ``substep`` names the tableau each sub-step runs.
+    """
+
+    name: str
+    order: int
+    pattern: Literal["sequential", "symmetric"]
+    substep: str
+
+    def substeps(self, fields: int) -> tuple[SubStep, ...]:
+        """The sub-steps of one step of a stage with ``fields`` sub-fields, in the order they run."""
+        whole, half = Fraction(1), Fraction(1, 2)
+        if self.pattern == "sequential" or fields == 1:
+            return tuple(SubStep(i, Fraction(0), whole) for i in range(fields))
+        first = [SubStep(i, Fraction(0), half) for i in range(fields - 1)]
+        second = [SubStep(i, half, half) for i in reversed(range(fields - 1))]
+        return (*first, SubStep(fields - 1, Fraction(0), whole), *second)
+
+
+SPLITTINGS: dict[str, Splitting] = {
+    s.name: s
+    for s in (
+        Splitting("lie_trotter", 1, "sequential", "euler"),
+        Splitting("strang", 2, "symmetric", "midpoint"),
+    )
+}
+"""The built-in splitting schemes by name (a split stage runs any of them; other stages none)."""

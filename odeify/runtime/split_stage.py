@@ -1,0 +1,171 @@
+"""``SplitStage``: a run of transformer blocks as one stage of p sub-fields, dx/dt = F_1 + ... + F_p.
+
+A period-p run (a ViT block's attention and MLP halves: p = 2) has one template per sub-block
+and one knot stack per sub-field slot; all p fields share the stage's knot count, basis and
+times, so retargeting knots or basis refits every stack alike. Its integrator is a splitting
+scheme (:mod:`odeify.numerics.splitting`): ``lie_trotter`` (at native steps the network itself)
+or ``strang``. The code generator writes each sub-step with one writer per sub-field, through a
+:class:`FieldView` (a sub-field seen as a one-field stage). Checkpoint and reverse backward run
+the split step graphs like any stage's; ``reversible`` is refused (no reversible split scheme yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from odeify.core.budget import check_graph_nodes
+from odeify.core.errors import ConfigError
+from odeify.ir.settings import (
+    StageSettings,
+    validate_backward,
+    validate_checkpoint_every,
+    validate_steps,
+)
+from odeify.ir.stage_ir import Slot, may_draw_random
+from odeify.numerics.bases import get_basis
+from odeify.numerics.tableaus import SPLITTINGS, TABLEAUS, Splitting, Tableau
+from odeify.runtime.stage import ODEStage
+
+BlockForm = Literal["post", "pre"]
+
+
+class FieldView:
+    """One sub-field of a split stage as the code generator reads a stage: template, slots, times.
+
+    A view: the tensors and modules stay the split stage's (``template_attr`` and the slots'
+    attribute paths point into it), so a writer with the split stage's prefix emits them correctly.
+    """
+
+    def __init__(self, stage: SplitStage, index: int) -> None:
+        start = sum(stage.field_sizes[:index])
+        self.stage = stage
+        self.stage_name = stage.stage_name
+        self.template = stage.field_templates[index]
+        self.template_attr = f"field_templates.{index}"
+        self.slots = stage.slots[start : start + stage.field_sizes[index]]
+        self.variant_targets = stage.field_variant_targets[index]
+        self.variants = {key: stage.variants[key] for key in self.variant_targets.values()}
+        self.form = stage.field_forms[index]
+        self.depth = stage.depth
+        self.steps = stage.steps
+        self.num_knots = stage.num_knots
+        self.draws_random = stage.draws_random
+
+    def row(self, t: Fraction, left: bool) -> tuple[Fraction, ...]:
+        return self.stage.row(t, left)
+
+    def variant_index(self, t: Fraction, left: bool) -> int:
+        return self.stage.variant_index(t, left)
+
+    def field_weights(self, t: Fraction, left: bool) -> tuple[tuple[Fraction, ...], int | None]:
+        return self.row(t, left), (self.variant_index(t, left) if self.variants else None)
+
+    def slot_attr(self, slot: Slot) -> str:
+        return self.stage.slot_attr(slot)
+
+
+class SplitStage(ODEStage):
+    """A run of ``depth`` periods of p residual sub-blocks as one stage of p sub-fields.
+
+    ``templates[i]``, ``slots[i]``, ``tensors[i]`` and ``variants[i]`` are sub-field i's, as lifting
+    extracts a period-1 run's; slot names and variant keys clashing between fields get an ``F<i>_``
+    prefix. ``integrator='euler'`` (convert's default) means ``lie_trotter``: one Euler sub-step per
+    sub-field, the network at native steps; other tableaus are refused.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        templates: Sequence[fx.GraphModule],
+        slots: Sequence[Sequence[Slot]],
+        tensors: Sequence[dict[str, torch.Tensor]],
+        variants: Sequence[dict[str, list[nn.Module]]],
+        forms: Sequence[BlockForm],
+        depth: int,
+        **settings: Any,
+    ) -> None:
+        all_slots: list[Slot] = []
+        all_tensors: dict[str, torch.Tensor] = {}
+        all_variants: dict[str, list[nn.Module]] = {}
+        targets: list[dict[str, str]] = []
+        for i, (field_slots, field_tensors, field_variants) in enumerate(
+            zip(slots, tensors, variants, strict=True)
+        ):
+            for slot in field_slots:
+                unique = _unique(slot.name, all_tensors, i)
+                all_slots.append(Slot(unique, slot.kind))
+                all_tensors[unique] = field_tensors[slot.name]
+            field_targets = {}
+            for key, modules in field_variants.items():
+                unique = _unique(key, all_variants, i)
+                all_variants[unique] = modules
+                field_targets[key.replace("__", ".")] = unique
+            targets.append(field_targets)
+        # plain attributes read by _validated, which StageIR.__init__ calls
+        self.field_sizes = tuple(len(s) for s in slots)
+        self.field_forms = tuple(forms)
+        self.field_variant_targets = tuple(targets)
+        self.field_nodes = tuple(len(t.graph.nodes) for t in templates)
+        super().__init__(
+            name, templates[0], all_slots, all_tensors, forms[0], depth, all_variants, **settings
+        )
+        self.field_templates = nn.ModuleList(templates)
+
+    @property
+    def num_fields(self) -> int:
+        return len(self.field_sizes)
+
+    def field_views(self) -> list[FieldView]:
+        """Each sub-field as the code generator reads a stage (see :class:`FieldView`)."""
+        return [FieldView(self, i) for i in range(self.num_fields)]
+
+    def _validated(self, wanted: StageSettings) -> StageSettings:
+        """``wanted`` checked for a split stage: a splitting scheme (``euler`` read as ``lie_trotter``)."""
+        name = self.stage_name
+        integrator = wanted.integrator
+        if isinstance(integrator, Tableau) and integrator == TABLEAUS["euler"]:
+            integrator = SPLITTINGS["lie_trotter"]
+        if not isinstance(integrator, Splitting):
+            fields = " + ".join(f"F_{i + 1}" for i in range(self.num_fields))
+            raise ConfigError(
+                f"stage '{name}' is a split stage (dx/dt = {fields}, one sub-field per sub-block of "
+                f"each transformer block), and integrator='{integrator.name}' would integrate the "
+                "summed field, which is not the network at native steps and is not built for split "
+                f"stages. Use one of {', '.join(SPLITTINGS)} ('lie_trotter' is the network at native "
+                "steps, 'strang' is second order; 'euler' means 'lie_trotter' here)."
+            )
+        settings = StageSettings(
+            get_basis(wanted.basis).name,
+            integrator,
+            validate_steps(wanted.steps, name),
+            validate_backward(wanted.backward, integrator),
+            validate_checkpoint_every(wanted.checkpoint_every, name),
+        )
+        evaluations = len(integrator.substeps(self.num_fields)) * TABLEAUS[integrator.substep].stages
+        check_graph_nodes(name, settings.steps, evaluations, max(self.field_nodes))
+        return settings
+
+    @property
+    def draws_random(self) -> bool:
+        return any(may_draw_random(m) for t in [*self.field_templates, self.variants] for m in t.modules())
+
+    def graph_signature(self) -> tuple:
+        return (*super().graph_signature(), *(t.code for t in self.field_templates))
+
+    def extra_repr(self) -> str:
+        return f"fields={self.num_fields}, " + super().extra_repr()
+
+
+def _unique(name: str, taken: dict, field: int) -> str:
+    """``name``, or ``F<field + 1>_name`` (then with a counter) where another field has it."""
+    candidate, count = name, 0
+    while candidate in taken:
+        count += 1
+        candidate = f"F{field + 1}_{name}" if count == 1 else f"F{field + 1}_{name}_{count}"
+    return candidate
