@@ -274,12 +274,28 @@ def extract_run(gm: fx.GraphModule, run: Run, *, contained_in: Run | None = None
     return RunParts(template, slots, tensors, variants, origins)
 
 
-def _move_fold_records(gm: fx.GraphModule, stage: StageIR, parts: RunParts, scope: str) -> None:
+def _move_fold_records(gm: fx.GraphModule, stage: StageIR, parts: RunParts | SplitParts, scope: str) -> None:
     """Stack the fold records of the run's blocks into the stage, as its knots are stacked.
 
     A record moves when both tensors it describes became ``param`` slots, one block each; the
-    blocks' own records leave ``gm.folds`` either way (their tensors now live in the stage).
+    blocks' own records leave ``gm.folds`` either way (their tensors now live in the stage). A split
+    stage's fields are moved one by one, under the names the stage gave their slots.
     """
+    if isinstance(parts, RunParts):
+        _move_field_records(gm, stage, parts, scope, {})
+        return
+    offset = 0
+    for field in parts.fields:
+        names = [slot.name for slot in stage.slots[offset : offset + len(field.slots)]]
+        offset += len(field.slots)
+        renamed = dict(zip((slot.name for slot in field.slots), names, strict=True))
+        _move_field_records(gm, stage, field, scope, renamed)
+
+
+def _move_field_records(
+    gm: fx.GraphModule, stage: StageIR, parts: RunParts, scope: str, renamed: dict[str, str]
+) -> None:
+    """:func:`_move_fold_records` for one field; ``renamed`` maps its slot names to the stage's."""
     records = fold_records(gm)
     if not records:
         return
@@ -307,8 +323,8 @@ def _move_fold_records(gm: fx.GraphModule, stage: StageIR, parts: RunParts, scop
         record = FoldRecord(
             **stacked,
             kind=first.kind,
-            scaled=f"knots.{name}",
-            shifted=f"knots.{bias}",
+            scaled=f"knots.{renamed.get(name, name)}",
+            shifted=f"knots.{renamed.get(bias, bias)}",
             norm=first.norm,
             learnable=all(record.learnable for record in blocks),
         )
