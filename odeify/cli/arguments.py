@@ -15,27 +15,23 @@ from collections.abc import Sequence
 
 from odeify.core.errors import ConfigError
 from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, parse_steps
+from odeify.models.data_config import INTERPOLATIONS, MAX_CROP
 from odeify.numerics.bases import BASES
 from odeify.numerics.tableaus import TABLEAUS, ReversibleHeun, resolve_integrator
 
 INTEGRATORS = sorted([*TABLEAUS, ReversibleHeun.name])
 
 
-def model_arguments(parser: argparse.ArgumentParser, metavar: str) -> None:
+def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_config: bool = False) -> None:
+    """MODEL and how to build it; ``data_config``: also timm's data-config flags (--mean, --std, ...)."""
     parser.add_argument(
         "model",
         nargs="?",
         metavar=metavar,
         help="timm name, checkpoint, model folder or converted file (default: the shipped digits ResNet)",
     )
+    data_config_arguments(parser, full=data_config)
     source = parser.add_argument_group("how to build MODEL (ignored for a converted file)")
-    source.add_argument(
-        "--input-size",
-        nargs="+",
-        type=int,
-        metavar="DIM",
-        help="C H W or N C H W of the example input (default: the model's pretrained config)",
-    )
     source.add_argument("--pretrained", action="store_true", help="download timm's weights (needs the hub)")
     source.add_argument("--arch", help="timm architecture of a checkpoint that does not name it")
     source.add_argument("--num-classes", type=positive_int, help="classifier size of the checkpoint's model")
@@ -49,6 +45,41 @@ def model_arguments(parser: argparse.ArgumentParser, metavar: str) -> None:
         default=[],
         metavar="CLASS",
         help="keep modules of this class opaque while tracing (repeatable); for code FX cannot trace",
+    )
+
+
+def data_config_arguments(parser: argparse.ArgumentParser, *, full: bool) -> None:
+    """timm's data-config flags, with train.py's names and meanings; ``full``: beyond the input size."""
+    group = parser.add_argument_group(
+        "data config (timm's flags; default: what the model's file records: a train.py checkpoint's "
+        "args, a folder's config.json, a converted file's pretrained_cfg)"
+    )
+    size_help = "C H W (or N C H W) of the input: the size the model is traced at" + (
+        ", verified at and, on convert, recorded in the converted file; on eval, sweep and finetune also "
+        "the size images are resized to"
+        if full
+        else ""
+    )
+    group.add_argument("--input-size", nargs="+", type=int, metavar="DIM", help=size_help)
+    group.add_argument(
+        "--img-size",
+        type=positive_int,
+        metavar="PIXELS",
+        help="the image side, as timm's --img-size: --input-size C PIXELS PIXELS with the model's C",
+    )
+    if not full:
+        return
+    group.add_argument(
+        "--mean", nargs="+", type=finite_float, metavar="M", help="normalisation mean, one per channel"
+    )
+    group.add_argument(
+        "--std", nargs="+", type=positive_float, metavar="S", help="normalisation std, one per channel"
+    )
+    group.add_argument(
+        "--interpolation", choices=INTERPOLATIONS, help="the resize's interpolation (timm's names)"
+    )
+    group.add_argument(
+        "--crop-pct", type=crop_pct, metavar="PCT", help="evaluation crop: resize to SIZE/PCT, crop SIZE"
     )
 
 
@@ -239,6 +270,14 @@ def fraction(text: str) -> float:
     value = finite_float(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"expected a number from 0 to 1; got {text!r}")
+    return value
+
+
+def crop_pct(text: str) -> float:
+    """timm's crop fraction: in (0, MAX_CROP] (timm's largest is 1.15)."""
+    value = finite_float(text)
+    if not 0 < value <= MAX_CROP:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, {MAX_CROP:g}]; got {text!r}")
     return value
 
 

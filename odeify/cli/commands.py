@@ -20,7 +20,7 @@ from torch import nn
 
 import odeify
 from odeify.cli.console import console_on, stdout_is_data
-from odeify.core.budget import check_input_bytes
+from odeify.cli.data_flags import DATA_CONFIG_FLAGS, apply_data_config, check_size_flags, trace_size
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes, read_header
@@ -66,22 +66,6 @@ def is_converted_file(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _input_size(args: argparse.Namespace) -> list[int] | None:
-    """--input-size as given, checked: 3 or 4 positive numbers whose batch fits the input budget."""
-    size = args.input_size
-    if size is None:
-        return None
-    if len(size) not in (3, 4):
-        raise OdeifyError(
-            f"--input-size takes C H W or N C H W (e.g. --input-size 3 224 224); got {len(size)} "
-            f"number(s): {' '.join(map(str, size))}."
-        )
-    if any(n < 1 for n in size):
-        raise OdeifyError(f"--input-size takes positive numbers; got {' '.join(map(str, size))}.")
-    check_input_bytes("--input-size", tuple(size) if len(size) == 4 else (1, *size), 4)
-    return size
-
-
 def _refuse_converted(args: argparse.Namespace) -> None:
     if is_converted_file(_source(args)):
         raise ConfigError(
@@ -94,22 +78,27 @@ def _source_model(args: argparse.Namespace) -> tuple[nn.Module, str, tuple[int, 
     """MODEL as a module, its display name and the validated example input shape."""
     from odeify.compiler.analysis import input_shape_for, resolve_model
 
-    size = _input_size(args)
+    check_size_flags(args)
     _refuse_converted(args)
     model, name = resolve_model(_source(args), **_load_kwargs(args))
     if not args.model:
         name = DEFAULT_MODEL_PATH.name
-    return model, name, input_shape_for(model, size)
+    return model, name, input_shape_for(model, trace_size(args, model))
 
 
 def _convert_source(args: argparse.Namespace, **settings: Any) -> fx.GraphModule:
-    """MODEL converted by name or path (so that the saved file can name its source)."""
-    size = _input_size(args)
+    """MODEL converted by name or path (so that the saved file can name its source), with the
+    data-config flags over what MODEL records."""
+    check_size_flags(args)
     _refuse_converted(args)
-    leaves = _leaf_modules(_source_model(args)[0], args.leaf) if args.leaf else []
-    return odeify.convert(
-        _source(args), input_size=size, leaf_modules=leaves, **_load_kwargs(args), **settings
-    )
+    source = _source_model(args)[0] if args.leaf or args.img_size is not None else None
+    leaves = _leaf_modules(source, args.leaf) if source is not None and args.leaf else []
+    converted = odeify.convert(
+        _source(args), input_size=trace_size(args, source), leaf_modules=leaves, **_load_kwargs(args),
+        **settings,
+    )  # fmt: skip
+    from_file = args.model if args.model and os.path.lexists(args.model) else None
+    return apply_data_config(converted, args, recorded=from_file)
 
 
 def _leaf_modules(model: nn.Module, names: list[str]) -> list[type[nn.Module]]:
@@ -138,7 +127,7 @@ def _loaded(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
     """CONVERTED as saved, or MODEL converted at native depth; and its display name."""
     source = _source(args)
     if is_converted_file(source):
-        return odeify.load(source), Path(source).name
+        return apply_data_config(odeify.load(source), args, recorded=None), Path(source).name
     return _convert_source(args), Path(args.model).name if args.model else DEFAULT_MODEL_PATH.name
 
 
@@ -415,13 +404,21 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _val_batches(args: argparse.Namespace, model: nn.Module):
-    from odeify.train.datasets import make_loader, open_data
+def _require_data(spec: str | None) -> None:
+    """--data is given and names a data set; checked before the model loads (seconds)."""
+    from odeify.train.datasets import check_data_spec
 
-    if args.data is None:
+    if spec is None:
         raise ConfigError(
             "--data is required: 'digits' for the built-in set, or an ImageFolder DIR (train/, val/)."
         )
+    check_data_spec(spec)
+
+
+def _val_batches(args: argparse.Namespace, model: nn.Module):
+    from odeify.train.datasets import make_loader, open_data
+
+    _require_data(args.data)
     data = open_data(args.data, model)
     return make_loader(data.val, args.batch_size, train=False, workers=args.workers)
 
@@ -431,6 +428,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from odeify.inspection.report import describe
     from odeify.train.evaluate import evaluate
 
+    _require_data(args.data)
     model, name = _converted(args)
     loader = _val_batches(args, model)
     result = evaluate(model.to(_device()), loader, max_batches=args.max_batches)
@@ -456,6 +454,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     plot = _output_file(args.plot, "--plot", args)
     markdown = _output_file(args.markdown, "--markdown", args)
     _distinct(("--plot", plot), ("--markdown", markdown))
+    _require_data(args.data)
     model, name = _loaded(args)
     model = model.to(_device())
     loader = _val_batches(args, model)
@@ -498,7 +497,7 @@ RECORDED = (
     "checkpoint",
     "pretrained",
     "ema",
-    "input_size",
+    *DATA_CONFIG_FLAGS,
     "leaf",
     "deterministic",
 )
@@ -532,10 +531,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             f"{out} already holds a fine-tuning run. Continue it with --resume, or pass another --out folder."
         )
     settings = _with_recorded(args, read_run(out)) if args.resume else argparse.Namespace(**vars(args))
-    if settings.data is None:
-        raise ConfigError(
-            "--data is required: 'digits' for the built-in set, or an ImageFolder DIR (train/, val/)."
-        )
+    _require_data(settings.data)
     given = {k: getattr(settings, k) for k in RECIPE_FLAGS if getattr(settings, k) is not None}
     recipe = replace(DEFAULT_RECIPE, **given)
     processes = start_processes()
@@ -564,16 +560,18 @@ def run_finetune(args: argparse.Namespace) -> int:
 
 _RECORDED_TYPES: dict[str, tuple[type, ...]] = {
     "steps": (str, int), "knots": (str, int), "num_classes": (int,), "pretrained": (bool,), "ema": (bool,),
-    "deterministic": (bool,), "input_size": (int,), "leaf": (str,),
+    "deterministic": (bool,), "input_size": (int,), "leaf": (str,), "img_size": (int,),
+    "mean": (float,), "std": (float,), "crop_pct": (float,),
 }  # fmt: skip
 """The types of the recorded command-line settings that are not strings (what argparse produced; of
-the items of the lists input_size and leaf)."""
+the items of the lists in _RECORDED_LISTS)."""
+_RECORDED_LISTS = ("input_size", "leaf", "mean", "std")
 
 
 def _recorded_ok(key: str, value: object) -> bool:
     kinds = _RECORDED_TYPES.get(key, (str,))
-    items = value if key in ("input_size", "leaf") and isinstance(value, list) else None
-    if key in ("input_size", "leaf") and items is None:
+    items = value if key in _RECORDED_LISTS and isinstance(value, list) else None
+    if key in _RECORDED_LISTS and items is None:
         return False
     return all(type(v) in kinds for v in (items if items is not None else [value]))
 

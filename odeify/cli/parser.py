@@ -17,7 +17,7 @@ from importlib import metadata
 
 from odeify import __version__
 from odeify.cli import arguments as arg
-from odeify.cli.console import print_log_lines, stdout_is_data
+from odeify.cli.console import print_log_lines, print_warnings_plainly, stdout_is_data
 from odeify.core.errors import OdeifyError
 from odeify.models import DEFAULT_MODEL_PATH
 
@@ -122,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         arg.check_command_line(parser, sys.argv[1:] if argv is None else argv, args)
         module, function = HANDLERS[args.command]
         print_log_lines(to_stderr=stdout_is_data(args))
+        print_warnings_plainly()
         return getattr(importlib.import_module(module), function)(args)
     except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
@@ -220,7 +221,7 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
         "native manifestation (Euler, one step and one knot per block) reproduces MODEL, then apply the\n"
         "requested manifestation and save it with -o.",
     )
-    arg.model_arguments(convert, "MODEL")
+    arg.model_arguments(convert, "MODEL", data_config=True)
     convert.add_argument("-o", "--output", metavar="FILE", help="write the converted model (.safetensors)")
     arg.manifestation_arguments(convert, defaults=True)
     convert.add_argument(
@@ -259,7 +260,7 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "OUT/history.json.\n"
         "The defaults are the recipe measured in docs/finetuning.md. Runs unchanged under torchrun.",
     )
-    arg.model_arguments(finetune, "MODEL|CONVERTED")
+    arg.model_arguments(finetune, "MODEL|CONVERTED", data_config=True)
     arg.data_arguments(finetune, batch_size=None)
     arg.manifestation_arguments(finetune, defaults=False, finetuning=True)
     finetune.add_argument("--epochs", type=arg.positive_int, help="epochs (default: the recipe's, 3)")
@@ -309,7 +310,7 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
         "accuracy, NFE and time per batch of a model on a data set",
         "Evaluate MODEL|CONVERTED on the validation split (optionally in another manifestation, not saved).",
     )
-    arg.model_arguments(evaluate, "MODEL|CONVERTED")
+    arg.model_arguments(evaluate, "MODEL|CONVERTED", data_config=True)
     arg.data_arguments(evaluate)
     arg.manifestation_arguments(evaluate, defaults=False)
     evaluate.add_argument("--json", action="store_true", help="print the result as JSON (nothing else)")
@@ -323,7 +324,7 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         "Retarget MODEL|CONVERTED to every combination of --integrators, --steps and --knots and evaluate\n"
         "each: a markdown table on stdout and a PNG of accuracy against field evaluations.",
     )
-    arg.model_arguments(sweep, "MODEL|CONVERTED")
+    arg.model_arguments(sweep, "MODEL|CONVERTED", data_config=True)
     arg.data_arguments(sweep)
     sweep.add_argument(
         "--integrators",

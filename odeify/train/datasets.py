@@ -34,7 +34,17 @@ from odeify.core.errors import OdeifyError
 from odeify.core.limits import MAX_NUM_CLASSES
 from odeify.models.timm_interface import default_input_size
 
-__all__ = ["DIGITS", "DataError", "LabelledData", "check_data", "fingerprint", "make_loader", "open_data"]
+__all__ = [
+    "DIGITS",
+    "DataError",
+    "LabelledData",
+    "check_data",
+    "check_data_spec",
+    "data_config",
+    "fingerprint",
+    "make_loader",
+    "open_data",
+]
 
 DIGITS = "digits"
 DIGITS_SAMPLES = 1797  # scikit-learn's digits: what open_data("digits") holds in memory, both splits
@@ -91,9 +101,15 @@ def _input_shape(model: nn.Module) -> tuple[int, ...]:
     return tuple(recorded) if recorded else default_input_size(model)
 
 
-def _image_folder(root: Path, model: nn.Module) -> LabelledData:
-    import timm.data
+def check_data_spec(spec: str | os.PathLike[str]) -> None:
+    """Refuse a ``--data`` that names no data set (not 'digits', not an ImageFolder with train/ and
+    val/), before any model is loaded: the check costs a few stat calls, loading a model seconds."""
+    if os.fspath(spec) != DIGITS:
+        _split_folders(Path(spec).expanduser())
 
+
+def _split_folders(root: Path) -> tuple[Path, Path]:
+    """``root``'s train/ and val/ (or validation/) folders; a DataError naming what is missing."""
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
         raise DataError(
@@ -110,7 +126,34 @@ def _image_folder(root: Path, model: nn.Module) -> LabelledData:
             f"--data {root} has no {missing} subfolder. The ImageFolder layout is DIR/train/<class>/*.jpg "
             "and DIR/val/<class>/*.jpg (val/ may be named validation/)."
         )
+    return train_dir, val_dir
+
+
+def data_config(model: nn.Module) -> dict[str, Any]:
+    """timm's data config for ``model`` (``resolve_model_data_config``: its pretrained_cfg). When it
+    resizes images to another size than the model was traced (and verified) at, one warning names both."""
+    import timm.data
+
     config = timm.data.resolve_model_data_config(model)
+    traced = getattr(model, "meta", {}).get("odeify", {}).get("input_shape")
+    used = tuple(config["input_size"])
+    if traced and tuple(traced[1:]) != used:
+        warnings.warn(
+            f"the model's data config resizes images to {'x'.join(map(str, used))}, but the model was "
+            f"converted (traced and verified) at {'x'.join(map(str, traced[1:]))}; the data config wins. "
+            f"If the model was trained at {'x'.join(map(str, traced[2:]))} pixels, pass --input-size "
+            f"{' '.join(map(str, traced[1:]))} (Python: set model.pretrained_cfg['input_size']).",
+            UserWarning,
+            stacklevel=3,
+        )
+    return config
+
+
+def _image_folder(root: Path, model: nn.Module) -> LabelledData:
+    import timm.data
+
+    train_dir, val_dir = _split_folders(root)
+    config = data_config(model)
     mode = "L" if config["input_size"][0] == 1 else "RGB"
     splits = []
     for folder, training in ((train_dir, True), (val_dir, False)):
