@@ -95,9 +95,10 @@ def test_convert_then_eval_gives_the_source_accuracy(
 ) -> None:
     path, flags, weights = FORMS[form]
     converted = tmp_path / "ode.safetensors"
-    code, _, err = _odeify(capsys, "convert", str(quick / path), *flags, "-o", str(converted))
+    code, out, err = _odeify(capsys, "convert", str(quick / path), *flags, "-o", str(converted))
     assert code == 0, err
     assert "random 1x3x32x32 input" in err  # traced and verified at the trained size
+    assert ("using the EMA weights ('state_dict_ema')" in out) == ("--ema" in flags)
     code, out, err = _odeify(capsys, "eval", str(converted), "--data", str(quick / "digits_png"), "--json")
     assert code == 0, err
     assert "warning" not in err  # the data config and the traced size agree

@@ -427,6 +427,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """Accuracy, NFE and forward time per batch on the validation split."""
     from odeify.inspection.report import describe
     from odeify.train.evaluate import evaluate
+    from odeify.train.progress import plural
 
     _require_data(args.data)
     model, name = _converted(args)
@@ -436,7 +437,8 @@ def run_eval(args: argparse.Namespace) -> int:
         print(json.dumps({"model": name, "data": args.data, **result.to_dict()}, indent=2))
         return 0
     stages = ", ".join(
-        f"{s.name}: {s.integrator} x{s.steps}, {s.knots} knots {s.basis}" for s in describe(model).stages
+        f"{s.name}: {s.integrator} x{s.steps}, {plural(s.knots, 'knot')} {s.basis}"
+        for s in describe(model).stages
     )
     print(
         f"{name} on {args.data} ({result.samples} samples): accuracy {result.accuracy:.2%}, "
@@ -552,6 +554,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             teacher=native_depth(loaded) if recipe.distill > 0 else None,
             run_info={"cli": {k: getattr(settings, k) for k in RECORDED}},
             deterministic=settings.deterministic,
+            log_interval=settings.log_interval,
         )
     finally:
         stop_processes()

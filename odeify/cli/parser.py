@@ -117,6 +117,7 @@ and ``list`` do not wait for torch."""
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 failed verification, 2 usage or odeify error)."""
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         arg.check_command_line(parser, sys.argv[1:] if argv is None else argv, args)
@@ -134,8 +135,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(f"cannot access{where}: {exc.strerror or exc}.")
         return 2
     except KeyboardInterrupt:
-        print("odeify: interrupted", file=sys.stderr)
+        print(_interrupted(args), file=sys.stderr)
         return 130
+
+
+def _interrupted(args: argparse.Namespace | None) -> str:
+    """What Ctrl-C leaves: for a fine-tuning run, the completed epochs and how to continue."""
+    if args is None or getattr(args, "command", None) != "finetune":
+        return "odeify: interrupted"
+    return (
+        f"odeify: interrupted; {args.out} keeps the files of the last completed epoch (an epoch cut short "
+        f"is not saved). Continue the run with: odeify finetune --resume --out {args.out}"
+    )
 
 
 def _error(message: str) -> None:
@@ -296,6 +307,14 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         help="comma-separated epochs at whose start every stage's knots and steps double (e.g. 2,3)",
     )
     finetune.add_argument("--seed", type=arg.seed, help="seed of the batch order and RNGs (default 0)")
+    finetune.add_argument(
+        "--log-interval",
+        type=arg.positive_int,
+        default=50,
+        metavar="N",
+        help="when output is not a terminal (or TQDM_DISABLE is set): a progress line every N batches "
+        "(default 50, as timm's train.py)",
+    )
     finetune.add_argument(
         "--deterministic",
         action="store_true",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pickle
 from collections.abc import Mapping
@@ -215,6 +216,8 @@ def _from_torch_object(obj: object, path: Path, ema: bool) -> Checkpoint:
             f"{', '.join(map(str, list(obj)[:8]))}). Drop ema=True (CLI: --ema) to use its weights."
         )
     state = obj[state_key] if state_key else obj
+    if ema:
+        logging.getLogger("odeify").info(f"using the EMA weights ('{state_key}') of {path}")
     bad = [k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, Tensor))]
     if bad or not state:
         raise ModelLoadError(

@@ -34,6 +34,7 @@ _HISTORY_FIELDS = {
     "seconds": "number?",
     "lr": "number?",
     "val_accuracy_raw": "fraction?",
+    "val_loss": "number?",
     "knots": "counts",
     "steps": "counts",
 }

@@ -20,7 +20,6 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from odeify.compiler.conversion import converted_stages
 from odeify.core.dtypes import model_dtype
@@ -28,6 +27,7 @@ from odeify.core.errors import TrainingDiverged
 from odeify.train.distributed import Processes
 from odeify.train.evaluate import evaluate
 from odeify.train.manifestations import refine
+from odeify.train.progress import DEFAULT_LOG_INTERVAL, BatchProgress
 from odeify.train.recipe import EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import STATE_FILE, EpochRecord, ema_rng, write_epoch_outputs, write_state
@@ -35,7 +35,7 @@ from odeify.train.state import STATE_FILE, EpochRecord, ema_rng, write_epoch_out
 if TYPE_CHECKING:
     from timm.utils import ModelEmaV3
 
-__all__ = ["Trainer", "reseed", "stage_shape", "validate"]
+__all__ = ["Trainer", "reseed", "stage_shape", "validate", "validation"]
 
 
 class Trainer:
@@ -110,13 +110,17 @@ class Trainer:
             self.ema.module = refine(self.ema.module).to(self.procs.device).eval()
         return kept
 
-    def train_epoch(self, loader, batches: int, epoch: int, show: bool) -> EpochRecord:
-        """One pass over ``batches`` batches; the loss and accuracy are averaged over all ranks."""
+    def train_epoch(
+        self, loader, batches: int, epoch: int, show: bool, log_interval: int = DEFAULT_LOG_INTERVAL
+    ) -> EpochRecord:
+        """One pass over ``batches`` batches; the loss and accuracy are averaged over all ranks.
+
+        ``show``: report progress (:class:`odeify.train.progress.BatchProgress`)."""
         recipe, device = self.recipe, self.procs.device
         params = [p for p in self.model.parameters() if p.requires_grad]
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
         self.model.train()
-        bar = tqdm(total=batches, desc=f"epoch {epoch}/{recipe.epochs}", disable=not show, leave=False)
+        bar = BatchProgress(batches, epoch, recipe.epochs, show=show, interval=log_interval)
         started = time.perf_counter()
         for index, (x, y) in enumerate(loader):
             if index == batches:
@@ -150,10 +154,7 @@ class Trainer:
             n = len(y)
             correct = (logits.detach().argmax(1) == y).sum().item()
             totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
-            bar.update()
-            bar.set_postfix(
-                loss=f"{totals[0] / totals[2]:.3f}", acc=f"{totals[1] / totals[2]:.1%}", lr=f"{lr:.2g}"
-            )
+            bar.update((totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(), lr)
         bar.close()
         seconds = time.perf_counter() - started
         if self.procs.world_size > 1:  # on the device: nccl reduces CUDA tensors only
@@ -263,12 +264,18 @@ def _check_finite_weights(model: nn.Module, epoch: int) -> None:
 
 def validate(model: nn.Module, loader, procs: Processes) -> float:
     """Validation accuracy, computed on rank 0 and shared with every rank."""
-    value = torch.zeros(1, dtype=torch.float64, device=procs.device)  # nccl broadcasts CUDA tensors only
+    return validation(model, loader, procs)[0]
+
+
+def validation(model: nn.Module, loader, procs: Processes) -> tuple[float, float]:
+    """Validation accuracy and mean loss, computed on rank 0 and shared with every rank."""
+    value = torch.zeros(2, dtype=torch.float64, device=procs.device)  # nccl broadcasts CUDA tensors only
     if procs.is_main:
-        value[0] = evaluate(model, loader, device=procs.device).accuracy
+        result = evaluate(model, loader, device=procs.device)
+        value[0], value[1] = result.accuracy, result.loss
     if procs.world_size > 1:
         dist.broadcast(value, 0)
-    return value.item()
+    return value[0].item(), value[1].item()
 
 
 def stage_shape(model: nn.Module) -> dict[str, dict[str, int]]:
