@@ -400,7 +400,22 @@ def run_retarget(args: argparse.Namespace) -> int:
 
 
 # -- eval, sweep, plot -----------------------------------------------------------------------------
-def _device() -> torch.device:
+def _check_device(name: str | None) -> None:
+    """--device names a device this machine has."""
+    if name is not None and name.startswith("cuda"):
+        index = int(name.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s). Pass "
+                "--device cpu, or leave --device out (CUDA when available, else the CPU)."
+            )
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    """--device, else CUDA when available."""
+    if args.device is not None:
+        _check_device(args.device)
+        return torch.device(args.device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -432,7 +447,7 @@ def run_eval(args: argparse.Namespace) -> int:
     _require_data(args.data)
     model, name = _converted(args)
     loader = _val_batches(args, model)
-    result = evaluate(model.to(_device()), loader, max_batches=args.max_batches)
+    result = evaluate(model.to(_device(args)), loader, max_batches=args.max_batches)
     if args.json:
         print(json.dumps({"model": name, "data": args.data, **result.to_dict()}, indent=2))
         return 0
@@ -458,7 +473,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     _distinct(("--plot", plot), ("--markdown", markdown))
     _require_data(args.data)
     model, name = _loaded(args)
-    model = model.to(_device())
+    model = model.to(_device(args))
     loader = _val_batches(args, model)
     points = sweep(
         model,
@@ -505,7 +520,47 @@ RECORDED = (
 )
 
 
-RECIPE_FLAGS = ("epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay")
+AUGMENTATION_FLAGS = ("no_aug", "scale", "ratio", "hflip", "vflip", "color_jitter", "aa", "reprob")
+RECORDED = (*RECORDED, *AUGMENTATION_FLAGS)
+
+RECIPE_FLAGS = (
+    "epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay", "optimizer", "label_smoothing",
+    "clip_grad_norm", "amp", "channels_last", "mixup", "cutmix", "warmup",
+)  # fmt: skip
+"""The command-line settings that are Recipe fields (argparse dests named as the fields)."""
+
+
+def _timm_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of ``args`` with timm's spellings turned into odeify's settings: --experiment (the run
+    folder OUT/NAME), --model-ema (an average of decay 0.9998), --amp/--amp-dtype (the recipe's amp)."""
+    from odeify.cli.parser import MODEL_EMA_DECAY
+
+    settings = argparse.Namespace(**vars(args))
+    if args.experiment is not None:
+        settings.out = str(Path(args.out) / args.experiment)
+    if args.model_ema and args.ema_decay is None:
+        settings.ema_decay = MODEL_EMA_DECAY
+    if args.amp_dtype is not None and not args.use_amp:
+        raise ConfigError(f"--amp-dtype {args.amp_dtype} sets the dtype of --amp; pass --amp too.")
+    settings.amp = (args.amp_dtype or "float16") if args.use_amp else None
+    settings.warmup = None  # from --warmup-epochs, once the epochs are known (_warmup)
+    return settings
+
+
+def _warmup(args: argparse.Namespace, settings: argparse.Namespace) -> float | None:
+    """--warmup-epochs as the recipe's warm-up fraction of all steps; else the recorded or default one."""
+    if args.warmup_epochs is None:
+        return settings.warmup
+    epochs = settings.epochs or DEFAULT_EPOCHS
+    if args.warmup_epochs >= epochs:
+        raise ConfigError(
+            f"--warmup-epochs {args.warmup_epochs:g} must be below the run's {epochs} epochs (--epochs): the "
+            "schedule warms up, then decays over the remaining epochs."
+        )
+    return args.warmup_epochs / epochs
+
+
+DEFAULT_EPOCHS = 3  # the recipe's (odeify.train.recipe.DEFAULT_RECIPE.epochs); checked by a test
 
 
 def run_finetune(args: argparse.Namespace) -> int:
@@ -514,7 +569,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     With ``--resume`` every setting not given takes the recorded run's value (``args`` itself is not
     changed: the settings are a copy).
     """
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
     from odeify.train.datasets import open_data
     from odeify.train.finetune import (
@@ -527,22 +582,30 @@ def run_finetune(args: argparse.Namespace) -> int:
         stop_processes,
     )
 
-    out = output_folder(args.out, "--out", error=ConfigError)
+    RECIPE_FIELDS = {f.name for f in fields(DEFAULT_RECIPE)}  # noqa: N806
+    timm_style = _timm_flags(args)
+    out = output_folder(timm_style.out, "--out", error=ConfigError)
     if not args.resume and (out / "train_state.safetensors").exists():
         raise ConfigError(
             f"{out} already holds a fine-tuning run. Continue it with --resume, or pass another --out folder."
         )
-    settings = _with_recorded(args, read_run(out)) if args.resume else argparse.Namespace(**vars(args))
+    run = read_run(out) if args.resume else {}
+    settings = _with_recorded(timm_style, run) if args.resume else timm_style
+    settings.warmup = _warmup(args, settings)
     _require_data(settings.data)
     given = {k: getattr(settings, k) for k in RECIPE_FLAGS if getattr(settings, k) is not None}
-    recipe = replace(DEFAULT_RECIPE, **given)
-    processes = start_processes()
+    if given.get("clip_grad_norm") == 0:  # --clip-grad none
+        given["clip_grad_norm"] = None
+    recorded = {k: v for k, v in run.get("recipe", {}).items() if k in RECIPE_FIELDS}
+    recipe = replace(replace(DEFAULT_RECIPE, **recorded), **given)  # given, else recorded, else default
+    _check_device(settings.device)
+    processes = start_processes(settings.device)
     try:
         loaded, _ = _loaded(settings)
         model = for_training(loaded, settings.backward, **_manifestation(settings, without=("backward",)))
         finetune(
             model,
-            open_data(settings.data, model),
+            open_data(settings.data, model, _augmentation(settings)),
             recipe,
             out=out,
             resume=settings.resume,
@@ -561,14 +624,28 @@ def run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _augmentation(settings: argparse.Namespace):
+    """The training augmentation the flags ask for (timm's defaults for those not given), or None."""
+    from odeify.train.datasets import Augmentation
+
+    given = {k: getattr(settings, k) for k in AUGMENTATION_FLAGS if getattr(settings, k) is not None}
+    if not given:
+        return None
+    for key in ("scale", "ratio"):
+        if key in given:
+            given[key] = tuple(given[key])
+    return Augmentation(**given)
+
+
 _RECORDED_TYPES: dict[str, tuple[type, ...]] = {
     "steps": (str, int), "knots": (str, int), "num_classes": (int,), "pretrained": (bool,), "ema": (bool,),
     "deterministic": (bool,), "input_size": (int,), "leaf": (str,), "img_size": (int,),
-    "mean": (float,), "std": (float,), "crop_pct": (float,),
+    "mean": (float,), "std": (float,), "crop_pct": (float,), "no_aug": (bool,), "scale": (float,),
+    "ratio": (float,), "hflip": (float,), "vflip": (float,), "color_jitter": (float,), "reprob": (float,),
 }  # fmt: skip
 """The types of the recorded command-line settings that are not strings (what argparse produced; of
 the items of the lists in _RECORDED_LISTS)."""
-_RECORDED_LISTS = ("input_size", "leaf", "mean", "std")
+_RECORDED_LISTS = ("input_size", "leaf", "mean", "std", "scale", "ratio")
 
 
 def _recorded_ok(key: str, value: object) -> bool:
@@ -595,7 +672,8 @@ def _with_recorded(args: argparse.Namespace, run: dict) -> argparse.Namespace:
                 "records; the training state was altered. Start a new run in another --out folder."
             )
     for key in RECORDED:
-        if not getattr(settings, key, None) and recorded.get(key) is not None:
+        value = getattr(settings, key, None)
+        if (value is None or value is False or value == []) and recorded.get(key) is not None:
             setattr(settings, key, recorded[key])
     recipe = run.get("recipe", {})
     for key in RECIPE_FLAGS:

@@ -119,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = None
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            arg.refuse_unknown(parser, args.command, unknown)
         arg.check_command_line(parser, sys.argv[1:] if argv is None else argv, args)
         module, function = HANDLERS[args.command]
         print_log_lines(to_stderr=stdout_is_data(args))
@@ -274,15 +276,17 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
     arg.model_arguments(finetune, "MODEL|CONVERTED", data_config=True)
     arg.data_arguments(finetune, batch_size=None)
     arg.manifestation_arguments(finetune, defaults=False, finetuning=True)
-    finetune.add_argument("--epochs", type=arg.positive_int, help="epochs (default: the recipe's, 3)")
+    arg.augmentation_arguments(finetune)
+    _add_training_flags(finetune)
     finetune.add_argument(
-        "--lr", type=arg.positive_float, help="peak learning rate (default: the recipe's, 1e-3)"
+        "--out",
+        "--output",
+        metavar="DIR",
+        default="runs/finetune",
+        help="output folder (default: runs/finetune); --output is timm's name",
     )
     finetune.add_argument(
-        "--weight-decay", type=arg.nonnegative_float, help="AdamW weight decay (default 0.05)"
-    )
-    finetune.add_argument(
-        "--out", metavar="DIR", default="runs/finetune", help="output folder (default: runs/finetune)"
+        "--experiment", metavar="NAME", help="write the run into OUT/NAME (timm's --experiment)"
     )
     finetune.add_argument(
         "--distill",
@@ -291,7 +295,15 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "0 when the data's classes differ from the model's)",
     )
     finetune.add_argument(
+        "--model-ema",
+        action="store_true",
+        default=None,
+        help=f"keep an average of the weights (timm's --model-ema), decay {MODEL_EMA_DECAY} unless "
+        "--model-ema-decay says (not --ema, which loads a checkpoint's EMA weights)",
+    )
+    finetune.add_argument(
         "--ema-decay",
+        "--model-ema-decay",
         type=arg.ema_decay,
         metavar="DECAY",
         help="keep an exponential moving average of the weights, its decay at most DECAY in [0, 1) after "
@@ -319,6 +331,46 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "--deterministic",
         action="store_true",
         help="use deterministic kernels only (torch.use_deterministic_algorithms): bit-identical reruns",
+    )
+
+
+MODEL_EMA_DECAY = 0.9998  # timm train.py's --model-ema-decay default
+
+
+def _add_training_flags(finetune: argparse.ArgumentParser) -> None:
+    """The optimizer, schedule, clipping and precision flags of a fine-tuning run (timm's names)."""
+    group = finetune.add_argument_group("optimizer, schedule and precision (timm train.py's names)")
+    group.add_argument("--epochs", type=arg.positive_int, help="epochs (default: the recipe's, 3)")
+    group.add_argument(
+        "--lr", type=arg.positive_float, help="peak learning rate (default: the recipe's, 1e-3)"
+    )
+    group.add_argument("--weight-decay", type=arg.nonnegative_float, help="weight decay (default 0.05)")
+    group.add_argument(
+        "--opt", dest="optimizer", metavar="NAME",
+        help="timm optimizer name for create_optimizer_v2 (default: the recipe's, adamw)",
+    )  # fmt: skip
+    group.add_argument(
+        "--sched", choices=["cosine"],
+        help="learning-rate schedule: cosine, per step after a linear warm-up (the only one odeify runs)",
+    )  # fmt: skip
+    group.add_argument(
+        "--warmup-epochs", type=arg.nonnegative_float, metavar="N",
+        help="epochs of linear warm-up (default: the recipe's, a tenth of all steps)",
+    )  # fmt: skip
+    group.add_argument(
+        "--clip-grad", dest="clip_grad_norm", type=arg.clip_norm, metavar="NORM|none",
+        help="clip the gradient norm to NORM (default: the recipe's, 5); none: no clipping",
+    )  # fmt: skip
+    group.add_argument(
+        "--amp", dest="use_amp", action="store_true", default=None,
+        help="autocast the forward pass and loss (timm's --amp; with --backward backprop or checkpoint)",
+    )  # fmt: skip
+    group.add_argument(
+        "--amp-dtype", choices=["float16", "bfloat16"],
+        help="autocast dtype with --amp (default float16, as timm; float16 uses a gradient scaler)",
+    )  # fmt: skip
+    group.add_argument(
+        "--channels-last", action="store_true", default=None, help="channels-last memory format"
     )
 
 

@@ -36,6 +36,7 @@ from odeify.models.timm_interface import default_input_size
 
 __all__ = [
     "DIGITS",
+    "Augmentation",
     "DataError",
     "LabelledData",
     "check_data",
@@ -67,11 +68,45 @@ class LabelledData:
     num_classes: int
 
 
-def open_data(spec: str | os.PathLike[str], model: nn.Module) -> LabelledData:
-    """The data ``spec`` names (``"digits"`` or an ImageFolder path), prepared for ``model``'s input."""
+@dataclass(frozen=True)
+class Augmentation:
+    """Training augmentation with timm train.py's flag names, meanings and defaults (its
+    ``create_transform`` arguments): ``no_aug`` (resize and centre-crop only), the random-resized
+    crop's ``scale`` and ``ratio`` ranges, ``hflip``/``vflip`` probabilities, ``color_jitter``, the
+    AutoAugment policy ``aa`` (e.g. ``"rand-m9-mstd0.5"``) and random erasing's ``reprob``."""
+
+    no_aug: bool = False
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = 0.5
+    vflip: float = 0.0
+    color_jitter: float = 0.4
+    aa: str | None = None
+    reprob: float = 0.0
+
+    def transform_kwargs(self) -> dict[str, Any]:
+        """The arguments of ``timm.data.create_transform`` that say this augmentation."""
+        return {
+            "no_aug": self.no_aug, "scale": self.scale, "ratio": self.ratio, "hflip": self.hflip,
+            "vflip": self.vflip, "color_jitter": self.color_jitter, "auto_augment": self.aa,
+            "re_prob": self.reprob,
+        }  # fmt: skip
+
+
+def open_data(
+    spec: str | os.PathLike[str], model: nn.Module, augmentation: Augmentation | None = None
+) -> LabelledData:
+    """The data ``spec`` names (``"digits"`` or an ImageFolder path), prepared for ``model``'s input;
+    an image folder's training split with ``augmentation`` (default: timm's, :class:`Augmentation`)."""
     if os.fspath(spec) == DIGITS:
+        if augmentation is not None and augmentation != Augmentation():
+            raise DataError(
+                "the augmentation flags (--hflip, --scale, --aa, ...) apply to an image folder's images; "
+                "--data digits is the 8x8 digits as tensors, trained as they are. Leave them out, or pass "
+                "--data DIR."
+            )
         return _digits(model)
-    return _image_folder(Path(spec).expanduser(), model)
+    return _image_folder(Path(spec).expanduser(), model, augmentation or Augmentation())
 
 
 def _digits(model: nn.Module) -> LabelledData:
@@ -149,7 +184,7 @@ def data_config(model: nn.Module) -> dict[str, Any]:
     return config
 
 
-def _image_folder(root: Path, model: nn.Module) -> LabelledData:
+def _image_folder(root: Path, model: nn.Module, augmentation: Augmentation) -> LabelledData:
     import timm.data
 
     train_dir, val_dir = _split_folders(root)
@@ -163,7 +198,7 @@ def _image_folder(root: Path, model: nn.Module) -> LabelledData:
             raise DataError(f"cannot read the image folder {folder}: {exc}") from exc
         if len(dataset) == 0:
             raise DataError(f"{folder} holds no images (expected {folder}/<class>/<image files>).")
-        dataset.transform = timm.data.create_transform(**config, is_training=training)
+        dataset.transform = _transform(config, augmentation if training else None)
         splits.append(dataset)
     train, val = splits
     classes = train.reader.class_to_idx
@@ -173,6 +208,22 @@ def _image_folder(root: Path, model: nn.Module) -> LabelledData:
             f"({len(classes)} vs {len(val.reader.class_to_idx)}); both need the same class names."
         )
     return LabelledData(str(root), train, val, len(classes))
+
+
+def _transform(config: dict[str, Any], augmentation: Augmentation | None):
+    """timm's transform for ``config``: training with ``augmentation``, else evaluation (None)."""
+    import timm.data
+
+    if augmentation is None:
+        return timm.data.create_transform(**config, is_training=False)
+    try:
+        return timm.data.create_transform(**config, is_training=True, **augmentation.transform_kwargs())
+    except (AssertionError, KeyError, ValueError, TypeError, IndexError) as exc:
+        raise DataError(
+            f"timm cannot build the training augmentation {augmentation} ({type(exc).__name__}: {exc}); "
+            "check --aa (timm's policy names: rand-m9-mstd0.5, augmix-m5-w3, original, v0, ...), --scale "
+            "and --ratio."
+        ) from exc
 
 
 def make_loader(

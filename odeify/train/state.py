@@ -126,7 +126,7 @@ def write_state(
     for index, entry in optimizer["state"].items():
         for key, value in entry.items():
             if torch.is_tensor(value):
-                tensors[f"optim.{index}.{key}"] = value.detach().cpu().clone()
+                tensors[f"optim.{index}.{key}"] = value.detach().cpu().contiguous().clone()
             else:
                 scalars.setdefault(str(index), {})[key] = value
     record = {
@@ -185,8 +185,9 @@ def finish_epoch_outputs(folder: Path, model: nn.Module, history: list[EpochReco
 
 
 def _prefixed(prefix: str, model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s state dict on the CPU, each name under ``prefix`` (one file holds several)."""
-    return {prefix + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    """``model``'s state dict on the CPU (contiguous: a channels-last run's too), each name under
+    ``prefix`` (one file holds several)."""
+    return {prefix + k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
 
 
 def _unprefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
