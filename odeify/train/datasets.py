@@ -164,6 +164,29 @@ def _split_folders(root: Path) -> tuple[Path, Path]:
     return train_dir, val_dir
 
 
+def _strict_dataset(folder: Path, mode: str) -> Dataset:
+    """timm's ImageDataset of ``folder`` (one subfolder per class), except that an image it cannot
+    read stops with its path: timm's own logs a warning and returns the next image in its place, so
+    an evaluation silently counts another image twice (361 samples of 360)."""
+    from PIL import Image
+    from timm.data import ImageDataset
+
+    class StrictImageDataset(ImageDataset):
+        def __getitem__(self, index: int):
+            file, target = self.reader[index][:2]
+            try:
+                image = Image.open(file).convert(self.input_img_mode)  # decodes: a truncated file fails here
+            except OSError as exc:
+                path = self.filename(index, absolute=True)
+                raise DataError(
+                    f"cannot read the image {path} ({exc}); fix or remove it. odeify does not put another "
+                    "image in its place."
+                ) from exc
+            return (self.transform(image) if self.transform is not None else image), target
+
+    return StrictImageDataset(str(folder), input_img_mode=mode)
+
+
 def data_config(model: nn.Module) -> dict[str, Any]:
     """timm's data config for ``model`` (``resolve_model_data_config``: its pretrained_cfg). When it
     resizes images to another size than the model was traced (and verified) at, one warning names both."""
@@ -185,7 +208,6 @@ def data_config(model: nn.Module) -> dict[str, Any]:
 
 
 def _image_folder(root: Path, model: nn.Module, augmentation: Augmentation) -> LabelledData:
-    import timm.data
 
     train_dir, val_dir = _split_folders(root)
     config = data_config(model)
@@ -193,7 +215,7 @@ def _image_folder(root: Path, model: nn.Module, augmentation: Augmentation) -> L
     splits = []
     for folder, training in ((train_dir, True), (val_dir, False)):
         try:
-            dataset = timm.data.create_dataset("", root=str(folder), search_split=False, input_img_mode=mode)
+            dataset = _strict_dataset(folder, mode)
         except (OSError, RuntimeError, ValueError) as exc:
             raise DataError(f"cannot read the image folder {folder}: {exc}") from exc
         if len(dataset) == 0:
