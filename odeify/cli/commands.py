@@ -21,6 +21,7 @@ from torch import nn
 import odeify
 from odeify.cli.console import console_on, stdout_is_data
 from odeify.cli.data_flags import DATA_CONFIG_FLAGS, apply_data_config, check_size_flags, trace_size
+from odeify.cli.retarget_report import retarget_changes
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes, read_header
@@ -390,13 +391,25 @@ def run_retarget(args: argparse.Namespace) -> int:
     loaded = odeify.load(source)
     model = odeify.retarget(loaded, **settings)
     odeify.save(model, output)
-    report = describe(model, name=source.name)
+    changes = retarget_changes(loaded, model, args.steps)
+    report = describe(model, name=output.name)
     if args.json:
-        print(json.dumps({**report.to_dict(), "output": str(output)}, indent=2))
+        stages = [c.to_dict() for c in changes]
+        print(json.dumps({**report.to_dict(), "output": str(output), "changes": stages}, indent=2))
     else:
         _tables(args).print(format_report_table(report))
-    _note(f"wrote {output}")
+    for change in changes:
+        _note(change.line())
+        for warning in change.warnings:
+            _note(f"odeify: warning: {warning}")
+    _note(
+        f"wrote {output} (from {source.name}; parameters {_parameters(loaded):,} -> {_parameters(model):,})"
+    )
     return 0
+
+
+def _parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 # -- eval, sweep, plot -----------------------------------------------------------------------------
