@@ -29,6 +29,7 @@ submodules stay as they were, and replacing a submodule (a new head) takes effec
 from __future__ import annotations
 
 import operator
+import pickle
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from odeify.ir.stage_ir import StageIR
 from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.properties import SEGMENTS
 from odeify.runtime.rerun import training_batchnorm
+from odeify.runtime.stage import recording
 
 __all__ = ["Segment", "checkpoint_segments", "has_segments", "inline_segments", "without_segments"]
 
@@ -74,11 +76,25 @@ class Segment(nn.Module):
         self.runnable = fx.GraphModule(nn.Module(), _runnable_graph(body, attributes))
 
     def forward(self, *args: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or (recording() and not self.training):  # as exporters record it
             return self.runnable(*args)
+        if recording():
+            raise ConfigError(
+                "this model is in training mode with a memory-saving backward, whose recompute cannot be "
+                "exported or traced. Export it in eval mode (model.eval(): the backward mode matters only "
+                "in training), or set odeify.set_backward(model, 'backprop') to export the training graph."
+            )
         for index, path in self.module_args.items():
             _refuse_training_batchnorm(args[index], path)
         return checkpoint(self._run, *args, use_reentrant=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``body`` pickled on its own at the highest protocol: torch.save's protocol 2 cannot pickle
+        an fx.Graph whose nodes call builtins such as ``operator.add`` (they reduce to their module)."""
+        return {**self.__dict__, "body": pickle.dumps(self.body, protocol=pickle.HIGHEST_PROTOCOL)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({**state, "body": pickle.loads(state["body"])})  # noqa: S301 (our own bytes)
 
     def _run(self, *args: Any) -> Any:
         with torch.profiler.record_function("odeify.segment"):  # forward and recompute, in traces

@@ -401,10 +401,10 @@ def _bad_inputs(tmp: Path, converted: Path) -> list[tuple[list[str], str]]:
         # part 7: what was silently accepted
         (["convert", "-o", out, "-o", str(tmp / "other.safetensors")], "-o/--output is given twice"),
         (["convert", "--steps", "1", "--steps=2"], "--steps is given twice"),
-        ([*eval_digits, "--data", "digits"], "--data is given twice"),
+        ([*eval_digits, "--data", "digits"], "--data/--data-dir is given twice"),
         ([*eval_digits, "--integ", "rk4", "--integrator", "heun"], "given twice"),
         (["convert", "", "-o", out], "MODEL is empty"),
-        ([*tune, "--out", ""], "--out is empty"),
+        ([*tune, "--out", ""], "--out/--output is empty"),
         (["inspect", str(converted), "--dot", ""], "--dot is empty"),
         ([*eval_digits, "--steps", "x0.0000001"], "fewer than one"),
         (["retarget", str(converted), "-o", out, "--steps", "x0.1"], "'layer1' (4 blocks) 0.4 steps"),

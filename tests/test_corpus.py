@@ -42,8 +42,8 @@ ODEIFY_READS = {
 }  # fmt: skip
 """The keys of train.py's ``args`` that odeify reads, with train.py's meanings: the architecture's
 (``_train_args_kwargs`` in odeify/models/checkpoints.py; ``model`` also as the checkpoint's ``arch``)
-and the data config's, which ``timm.data.resolve_data_config`` reads (odeify's eval does not yet take
-the input size from them: issue 21)."""
+and the data config's, which ``timm.data.resolve_data_config`` reads (``train_args_data_config`` in
+odeify/models/data_config.py; tests/test_user_files.py checks that eval uses them)."""
 
 FORMS = ("train_py", "safetensors", "hf")
 ZERO_INIT_LAST = ("resnet18", "resnet26d")  # timm zero-initialises their residual branches' last BN

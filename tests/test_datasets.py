@@ -125,3 +125,33 @@ def test_finetune_on_an_image_folder_with_other_classes(
     y = torch.tensor([0] * 4 + [1] * 4)
     with torch.no_grad():
         assert (model(x).argmax(1) == y).double().mean().item() == pytest.approx(history[-1]["val_accuracy"])
+
+
+def test_a_truncated_image_stops_with_its_path(
+    native: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = image_folder(tmp_path)
+    broken = root / "val" / "digit_1" / "2.png"
+    broken.write_bytes(broken.read_bytes()[:60])  # the header survives, the pixels do not
+    data = open_data(root, native)
+    assert len(data.val) == 8  # every file counted once
+    assert data.val[0][1] == 0  # readable images still load
+    with pytest.raises(DataError, match=f"cannot read the image {broken}"):
+        data.val[6]  # timm's own dataset logs a warning and returns the next image instead
+    path = tmp_path / "ode.safetensors"
+    odeify.save(native, path)
+    assert main(["eval", str(path), "--data", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert str(broken) in err and "truncated" in err and err.count("\n") == 1
+
+
+def test_a_bad_data_argument_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing_model = tmp_path / "no_such_model.safetensors"  # loading it would fail: --data is checked first
+    for command in (["eval"], ["sweep"], ["finetune", "--out", str(tmp_path / "run")]):
+        assert (
+            main([*command[:1], str(missing_model), "--data", str(tmp_path / "nowhere"), *command[1:]]) == 2
+        )
+        err = capsys.readouterr().err
+        assert "--data" in err and "does not exist" in err and "no_such_model" not in err

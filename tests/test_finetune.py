@@ -193,7 +193,7 @@ def test_finetune_trains_and_writes_loadable_checkpoints(
     assert [r.epoch for r in history] == [0, 1, 2]
     assert history[0].val_accuracy == pytest.approx(accuracy(coarse(native), digits.val))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [BEST_FILE, LAST_FILE, STATE_FILE, "history.json"]
+        [BEST_FILE, LAST_FILE, STATE_FILE, "history.json", "summary.csv"]
     )  # no temporary files left behind
     last = odeify.load(tmp_path / LAST_FILE)
     assert history[-1].val_accuracy == pytest.approx(accuracy(last, digits.val))
@@ -439,12 +439,14 @@ def test_sigkill_mid_epoch_then_resume_reaches_the_same_knots(tmp_path: Path) ->
     )
     assert whole.returncode == 0, whole.stderr[-3000:]
 
-    killed = subprocess.Popen(_finetune_command(tmp_path / "b"), env=ENV, stderr=subprocess.PIPE)
+    killed = subprocess.Popen(  # not a terminal: a progress line per batch on stdout
+        _finetune_command(tmp_path / "b", "--log-interval", "1"), env=ENV, stdout=subprocess.PIPE
+    )
     seen = b""
-    os.set_blocking(killed.stderr.fileno(), False)
+    os.set_blocking(killed.stdout.fileno(), False)
     deadline = time.monotonic() + 300
-    while not re.search(rb"epoch 2/3:\s+\d+%\|[^|]*\| [1-6]/8", seen) and time.monotonic() < deadline:
-        seen += killed.stderr.read() or b""
+    while not re.search(rb"epoch 2/3 \[[1-6]/8\]", seen) and time.monotonic() < deadline:
+        seen += killed.stdout.read() or b""
         assert killed.poll() is None, seen.decode()[-3000:]
         time.sleep(0.02)
     killed.send_signal(signal.SIGKILL)
@@ -472,7 +474,7 @@ def test_torchrun_two_processes_train_like_one_on_the_combined_batch(tmp_path: P
     ]  # fmt: skip
     done = subprocess.run(torchrun, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 process(es) on cpu" in done.stdout and "epoch 1/1" in done.stdout
+    assert "2 processes on cpu" in done.stdout and "epoch 1/1" in done.stdout
     single = [
         sys.executable,
         "-m",

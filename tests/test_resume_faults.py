@@ -123,7 +123,7 @@ def test_a_kill_in_the_final_epochs_write_sequence_is_finished_by_resume(
     assert [r.epoch for r in resumed.history] == [0, 1, 2]
     _same_files(tmp_path, whole)  # best, last, history and state as if never killed
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [BEST_FILE, LAST_FILE, STATE_FILE, HISTORY_FILE]
+        [BEST_FILE, LAST_FILE, STATE_FILE, HISTORY_FILE, "summary.csv"]
     )
     assert "after epoch 2 (optimizer step 6); removed 1 temporary file" in caplog.text
 

@@ -15,27 +15,23 @@ from collections.abc import Sequence
 
 from odeify.core.errors import ConfigError
 from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, parse_steps
+from odeify.models.data_config import INTERPOLATIONS, MAX_CROP
 from odeify.numerics.bases import BASES
 from odeify.numerics.tableaus import TABLEAUS, ReversibleHeun, resolve_integrator
 
 INTEGRATORS = sorted([*TABLEAUS, ReversibleHeun.name])
 
 
-def model_arguments(parser: argparse.ArgumentParser, metavar: str) -> None:
+def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_config: bool = False) -> None:
+    """MODEL and how to build it; ``data_config``: also timm's data-config flags (--mean, --std, ...)."""
     parser.add_argument(
         "model",
         nargs="?",
         metavar=metavar,
         help="timm name, checkpoint, model folder or converted file (default: the shipped digits ResNet)",
     )
+    data_config_arguments(parser, full=data_config)
     source = parser.add_argument_group("how to build MODEL (ignored for a converted file)")
-    source.add_argument(
-        "--input-size",
-        nargs="+",
-        type=int,
-        metavar="DIM",
-        help="C H W or N C H W of the example input (default: the model's pretrained config)",
-    )
     source.add_argument("--pretrained", action="store_true", help="download timm's weights (needs the hub)")
     source.add_argument("--arch", help="timm architecture of a checkpoint that does not name it")
     source.add_argument("--num-classes", type=positive_int, help="classifier size of the checkpoint's model")
@@ -49,6 +45,41 @@ def model_arguments(parser: argparse.ArgumentParser, metavar: str) -> None:
         default=[],
         metavar="CLASS",
         help="keep modules of this class opaque while tracing (repeatable); for code FX cannot trace",
+    )
+
+
+def data_config_arguments(parser: argparse.ArgumentParser, *, full: bool) -> None:
+    """timm's data-config flags, with train.py's names and meanings; ``full``: beyond the input size."""
+    group = parser.add_argument_group(
+        "data config (timm's flags; default: what the model's file records: a train.py checkpoint's "
+        "args, a folder's config.json, a converted file's pretrained_cfg)"
+    )
+    size_help = "C H W (or N C H W) of the input: the size the model is traced at" + (
+        ", verified at and, on convert, recorded in the converted file; on eval, sweep and finetune also "
+        "the size images are resized to"
+        if full
+        else ""
+    )
+    group.add_argument("--input-size", nargs="+", type=int, metavar="DIM", help=size_help)
+    group.add_argument(
+        "--img-size",
+        type=positive_int,
+        metavar="PIXELS",
+        help="the image side, as timm's --img-size: --input-size C PIXELS PIXELS with the model's C",
+    )
+    if not full:
+        return
+    group.add_argument(
+        "--mean", nargs="+", type=finite_float, metavar="M", help="normalisation mean, one per channel"
+    )
+    group.add_argument(
+        "--std", nargs="+", type=positive_float, metavar="S", help="normalisation std, one per channel"
+    )
+    group.add_argument(
+        "--interpolation", choices=INTERPOLATIONS, help="the resize's interpolation (timm's names)"
+    )
+    group.add_argument(
+        "--crop-pct", type=crop_pct, metavar="PCT", help="evaluation crop: resize to SIZE/PCT, crop SIZE"
     )
 
 
@@ -106,12 +137,14 @@ def data_arguments(parser: argparse.ArgumentParser, batch_size: int | None = 256
     data = parser.add_argument_group("data")
     data.add_argument(
         "--data",
+        "--data-dir",
         metavar="DIR|digits",
         help="'digits' (built in) or an ImageFolder with train/ and val/ subfolders (required; "
         "with finetune --resume the recorded one)",
     )
     default = batch_size or "the recipe's, 64"
     data.add_argument(
+        "-b",
         "--batch-size",
         type=positive_int,
         default=batch_size,
@@ -120,7 +153,43 @@ def data_arguments(parser: argparse.ArgumentParser, batch_size: int | None = 256
     data.add_argument(
         "--max-batches", type=positive_int, metavar="N", help="use at most N batches per epoch (quick tries)"
     )
-    data.add_argument("--workers", type=nonnegative_int, default=0, help="data-loading processes (default 0)")
+    data.add_argument(
+        "-j", "--workers", type=nonnegative_int, default=0, help="data-loading processes (default 0)"
+    )
+    data.add_argument(
+        "--device",
+        type=device,
+        help="where to run: cpu, cuda or cuda:N (default: cuda when available, else cpu; under "
+        "torchrun each rank's own GPU)",
+    )
+
+
+def augmentation_arguments(parser: argparse.ArgumentParser) -> None:
+    """timm train.py's training augmentation flags, its names, meanings and defaults (image folders)."""
+    group = parser.add_argument_group(
+        "training augmentation (timm train.py's flags and defaults; an image folder's train/ split)"
+    )
+    group.add_argument("--no-aug", action="store_true", default=None, help="no augmentation: resize and crop")
+    group.add_argument("--scale", nargs=2, type=fraction, metavar="PCT",
+                       help="random-resized-crop area range (default 0.08 1.0)")  # fmt: skip
+    group.add_argument("--ratio", nargs=2, type=positive_float, metavar="RATIO",
+                       help="random-resized-crop aspect range (default 0.75 1.33)")  # fmt: skip
+    group.add_argument("--hflip", type=fraction, metavar="PROB", help="horizontal flip probability (0.5)")
+    group.add_argument("--vflip", type=fraction, metavar="PROB", help="vertical flip probability (0)")
+    group.add_argument("--color-jitter", type=nonnegative_float, metavar="PCT", help="colour jitter (0.4)")
+    group.add_argument(
+        "--aa", metavar="NAME", help="AutoAugment policy, e.g. rand-m9-mstd0.5 (default: none)"
+    )
+    group.add_argument("--reprob", type=fraction, metavar="PROB", help="random erasing probability (0)")
+    group.add_argument("--mixup", type=nonnegative_float, metavar="ALPHA", help="mixup alpha (0: off)")
+    group.add_argument("--cutmix", type=nonnegative_float, metavar="ALPHA", help="cutmix alpha (0: off)")
+    group.add_argument(
+        "--smoothing",
+        dest="label_smoothing",
+        type=smoothing,
+        metavar="EPS",
+        help="label smoothing in [0, 1) (default: the recipe's, 0; timm's train.py uses 0.1)",
+    )
 
 
 # -- the command line as a whole ---------------------------------------------------------------------
@@ -158,6 +227,18 @@ def check_command_line(
         if any(isinstance(v, str) and not v.strip() for v in values):
             name = "/".join(action.option_strings) or action.metavar or action.dest.upper()
             raise ConfigError(f"{name} is empty: give it a value, or leave it out for the default.")
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: Sequence[str]) -> None:
+    """A usage error from the subcommand (its usage line, not odeify's), naming the closest flag."""
+    import difflib
+
+    sub = _subparser(parser, command) or parser
+    flags = [option for action in sub._actions for option in action.option_strings]
+    first = unknown[0].split("=", 1)[0]
+    close = difflib.get_close_matches(first, flags, n=1, cutoff=0.6) if first.startswith("-") else []
+    hint = f"; did you mean {close[0]}?" if close else f"; `odeify {command} --help` lists the flags"
+    sub.error(f"unrecognized argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}{hint}")
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
@@ -240,6 +321,34 @@ def fraction(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"expected a number from 0 to 1; got {text!r}")
     return value
+
+
+def crop_pct(text: str) -> float:
+    """timm's crop fraction: in (0, MAX_CROP] (timm's largest is 1.15)."""
+    value = finite_float(text)
+    if not 0 < value <= MAX_CROP:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, {MAX_CROP:g}]; got {text!r}")
+    return value
+
+
+def smoothing(text: str) -> float:
+    value = finite_float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1); got {text!r}")
+    return value
+
+
+def clip_norm(text: str) -> float:
+    """A positive gradient-norm limit, or 'none' (no clipping), which is 0."""
+    return 0.0 if text.lower() == "none" else positive_float(text)
+
+
+def device(text: str) -> str:
+    """cpu, cuda or cuda:N (torch's device names that odeify trains on)."""
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N; got {text!r}")
+    return text
 
 
 def ema_decay(text: str) -> float:

@@ -21,7 +21,8 @@ from torch import nn
 
 import odeify
 from odeify.cli.console import console_on, stdout_is_data
-from odeify.core.budget import check_input_bytes
+from odeify.cli.data_flags import DATA_CONFIG_FLAGS, apply_data_config, check_size_flags, trace_size
+from odeify.cli.retarget_report import retarget_changes
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes, read_header
@@ -67,22 +68,6 @@ def is_converted_file(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _input_size(args: argparse.Namespace) -> list[int] | None:
-    """--input-size as given, checked: 3 or 4 positive numbers whose batch fits the input budget."""
-    size = args.input_size
-    if size is None:
-        return None
-    if len(size) not in (3, 4):
-        raise OdeifyError(
-            f"--input-size takes C H W or N C H W (e.g. --input-size 3 224 224); got {len(size)} "
-            f"number(s): {' '.join(map(str, size))}."
-        )
-    if any(n < 1 for n in size):
-        raise OdeifyError(f"--input-size takes positive numbers; got {' '.join(map(str, size))}.")
-    check_input_bytes("--input-size", tuple(size) if len(size) == 4 else (1, *size), 4)
-    return size
-
-
 def _refuse_converted(args: argparse.Namespace) -> None:
     if is_converted_file(_source(args)):
         raise ConfigError(
@@ -95,24 +80,29 @@ def _source_model(args: argparse.Namespace) -> tuple[nn.Module, str, tuple[int, 
     """MODEL as a module, its display name and the validated example input shape."""
     from odeify.compiler.analysis import input_shape_for, resolve_model
 
-    size = _input_size(args)
+    check_size_flags(args)
     _refuse_converted(args)
     with _seeded_random_weights(args):
         model, name = resolve_model(_source(args), **_load_kwargs(args))
     if not args.model:
         name = DEFAULT_MODEL_PATH.name
-    return model, name, input_shape_for(model, size)
+    return model, name, input_shape_for(model, trace_size(args, model))
 
 
 def _convert_source(args: argparse.Namespace, **settings: Any) -> fx.GraphModule:
-    """MODEL converted by name or path (so that the saved file can name its source)."""
-    size = _input_size(args)
+    """MODEL converted by name or path (so that the saved file can name its source), with the
+    data-config flags over what MODEL records."""
+    check_size_flags(args)
     _refuse_converted(args)
-    leaves = _leaf_modules(_source_model(args)[0], args.leaf) if args.leaf else []
+    source = _source_model(args)[0] if args.leaf or args.img_size is not None else None
+    leaves = _leaf_modules(source, args.leaf) if source is not None and args.leaf else []
     with _seeded_random_weights(args):
-        return odeify.convert(
-            _source(args), input_size=size, leaf_modules=leaves, **_load_kwargs(args), **settings
-        )
+        converted = odeify.convert(
+            _source(args), input_size=trace_size(args, source), leaf_modules=leaves, **_load_kwargs(args),
+            **settings,
+        )  # fmt: skip
+    from_file = args.model if args.model and os.path.lexists(args.model) else None
+    return apply_data_config(converted, args, recorded=from_file)
 
 
 RANDOM_WEIGHTS_SEED = 0
@@ -159,7 +149,7 @@ def _loaded(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
     """CONVERTED as saved, or MODEL converted at native depth; and its display name."""
     source = _source(args)
     if is_converted_file(source):
-        return odeify.load(source), Path(source).name
+        return apply_data_config(odeify.load(source), args, recorded=None), Path(source).name
     return _convert_source(args), Path(args.model).name if args.model else DEFAULT_MODEL_PATH.name
 
 
@@ -422,27 +412,62 @@ def run_retarget(args: argparse.Namespace) -> int:
     loaded = odeify.load(source)
     model = odeify.retarget(loaded, **settings)
     odeify.save(model, output)
-    report = describe(model, name=source.name)
+    changes = retarget_changes(loaded, model, args.steps)
+    report = describe(model, name=output.name)
     if args.json:
-        print(json.dumps({**report.to_dict(), "output": str(output)}, indent=2))
+        stages = [c.to_dict() for c in changes]
+        print(json.dumps({**report.to_dict(), "output": str(output), "changes": stages}, indent=2))
     else:
         _tables(args).print(format_report_table(report))
-    _note(f"wrote {output}")
+    for change in changes:
+        _note(change.line())
+        for warning in change.warnings:
+            _note(f"odeify: warning: {warning}")
+    _note(
+        f"wrote {output} (from {source.name}; parameters {_parameters(loaded):,} -> {_parameters(model):,})"
+    )
     return 0
 
 
+def _parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 # -- eval, sweep, plot -----------------------------------------------------------------------------
-def _device() -> torch.device:
+def _check_device(name: str | None) -> None:
+    """--device names a device this machine has."""
+    if name is not None and name.startswith("cuda"):
+        index = int(name.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s). Pass "
+                "--device cpu, or leave --device out (CUDA when available, else the CPU)."
+            )
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    """--device, else CUDA when available."""
+    if args.device is not None:
+        _check_device(args.device)
+        return torch.device(args.device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _require_data(spec: str | None) -> None:
+    """--data is given and names a data set; checked before the model loads (seconds)."""
+    from odeify.train.datasets import check_data_spec
+
+    if spec is None:
+        raise ConfigError(
+            "--data is required: 'digits' for the built-in set, or an ImageFolder DIR (train/, val/)."
+        )
+    check_data_spec(spec)
 
 
 def _val_batches(args: argparse.Namespace, model: nn.Module):
     from odeify.train.datasets import make_loader, open_data
 
-    if args.data is None:
-        raise ConfigError(
-            "--data is required: 'digits' for the built-in set, or an ImageFolder DIR (train/, val/)."
-        )
+    _require_data(args.data)
     data = open_data(args.data, model)
     return make_loader(data.val, args.batch_size, train=False, workers=args.workers)
 
@@ -451,15 +476,18 @@ def run_eval(args: argparse.Namespace) -> int:
     """Accuracy, NFE and forward time per batch on the validation split."""
     from odeify.inspection.report import describe
     from odeify.train.evaluate import evaluate
+    from odeify.train.progress import plural
 
+    _require_data(args.data)
     model, name = _converted(args)
     loader = _val_batches(args, model)
-    result = evaluate(model.to(_device()), loader, max_batches=args.max_batches)
+    result = evaluate(model.to(_device(args)), loader, max_batches=args.max_batches)
     if args.json:
         print(json.dumps({"model": name, "data": args.data, **result.to_dict()}, indent=2))
         return 0
     stages = ", ".join(
-        f"{s.name}: {s.integrator} x{s.steps}, {s.knots} knots {s.basis}" for s in describe(model).stages
+        f"{s.name}: {s.integrator} x{s.steps}, {plural(s.knots, 'knot')} {s.basis}"
+        for s in describe(model).stages
     )
     print(
         f"{name} on {args.data} ({result.samples} samples): accuracy {result.accuracy:.2%}, "
@@ -477,8 +505,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     plot = _output_file(args.plot, "--plot", args)
     markdown = _output_file(args.markdown, "--markdown", args)
     _distinct(("--plot", plot), ("--markdown", markdown))
+    _require_data(args.data)
     model, name = _loaded(args)
-    model = model.to(_device())
+    model = model.to(_device(args))
     loader = _val_batches(args, model)
     points = sweep(
         model,
@@ -519,14 +548,54 @@ RECORDED = (
     "checkpoint",
     "pretrained",
     "ema",
-    "input_size",
+    *DATA_CONFIG_FLAGS,
     "leaf",
     "deterministic",
     "teacher",
 )
 
 
-RECIPE_FLAGS = ("epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay")
+AUGMENTATION_FLAGS = ("no_aug", "scale", "ratio", "hflip", "vflip", "color_jitter", "aa", "reprob")
+RECORDED = (*RECORDED, *AUGMENTATION_FLAGS)
+
+RECIPE_FLAGS = (
+    "epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay", "optimizer", "label_smoothing",
+    "clip_grad_norm", "amp", "channels_last", "mixup", "cutmix", "warmup",
+)  # fmt: skip
+"""The command-line settings that are Recipe fields (argparse dests named as the fields)."""
+
+
+def _timm_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of ``args`` with timm's spellings turned into odeify's settings: --experiment (the run
+    folder OUT/NAME), --model-ema (an average of decay 0.9998), --amp/--amp-dtype (the recipe's amp)."""
+    from odeify.cli.parser import MODEL_EMA_DECAY
+
+    settings = argparse.Namespace(**vars(args))
+    if args.experiment is not None:
+        settings.out = str(Path(args.out) / args.experiment)
+    if args.model_ema and args.ema_decay is None:
+        settings.ema_decay = MODEL_EMA_DECAY
+    if args.amp_dtype is not None and not args.use_amp:
+        raise ConfigError(f"--amp-dtype {args.amp_dtype} sets the dtype of --amp; pass --amp too.")
+    settings.amp = (args.amp_dtype or "float16") if args.use_amp else None
+    settings.warmup = None  # from --warmup-epochs, once the epochs are known (_warmup)
+    return settings
+
+
+def _warmup(args: argparse.Namespace, settings: argparse.Namespace) -> float | None:
+    """--warmup-epochs as the recipe's warm-up fraction of all steps; else the recorded or default one."""
+    if args.warmup_epochs is None:
+        return settings.warmup
+    epochs = settings.epochs or DEFAULT_EPOCHS
+    if args.warmup_epochs >= epochs:
+        raise ConfigError(
+            f"--warmup-epochs {args.warmup_epochs:g} must be below the run's {epochs} epochs (--epochs): the "
+            "schedule warms up, then decays over the remaining epochs."
+        )
+    return args.warmup_epochs / epochs
+
+
+DEFAULT_EPOCHS = 3  # the recipe's (odeify.train.recipe.DEFAULT_RECIPE.epochs); checked by a test
 
 
 def run_finetune(args: argparse.Namespace) -> int:
@@ -535,7 +604,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     With ``--resume`` every setting not given takes the recorded run's value (``args`` itself is not
     changed: the settings are a copy).
     """
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
     from odeify.train.datasets import open_data
     from odeify.train.finetune import (
@@ -547,25 +616,30 @@ def run_finetune(args: argparse.Namespace) -> int:
         stop_processes,
     )
 
-    out = output_folder(args.out, "--out", error=ConfigError)
+    RECIPE_FIELDS = {f.name for f in fields(DEFAULT_RECIPE)}  # noqa: N806
+    timm_style = _timm_flags(args)
+    out = output_folder(timm_style.out, "--out", error=ConfigError)
     if not args.resume and (out / "train_state.safetensors").exists():
         raise ConfigError(
             f"{out} already holds a fine-tuning run. Continue it with --resume, or pass another --out folder."
         )
-    settings = _with_recorded(args, read_run(out)) if args.resume else argparse.Namespace(**vars(args))
-    if settings.data is None:
-        raise ConfigError(
-            "--data is required: 'digits' for the built-in set, or an ImageFolder DIR (train/, val/)."
-        )
+    run = read_run(out) if args.resume else {}
+    settings = _with_recorded(timm_style, run) if args.resume else timm_style
+    settings.warmup = _warmup(args, settings)
+    _require_data(settings.data)
     given = {k: getattr(settings, k) for k in RECIPE_FLAGS if getattr(settings, k) is not None}
-    recipe = replace(DEFAULT_RECIPE, **given)
-    processes = start_processes()
+    if given.get("clip_grad_norm") == 0:  # --clip-grad none
+        given["clip_grad_norm"] = None
+    recorded = {k: v for k, v in run.get("recipe", {}).items() if k in RECIPE_FIELDS}
+    recipe = replace(replace(DEFAULT_RECIPE, **recorded), **given)  # given, else recorded, else default
+    _check_device(settings.device)
+    processes = start_processes(settings.device)
     try:
         loaded, _ = _loaded(settings)
         model = for_training(loaded, settings.backward, **_manifestation(settings, without=("backward",)))
         finetune(
             model,
-            open_data(settings.data, model),
+            open_data(settings.data, model, _augmentation(settings)),
             recipe,
             out=out,
             resume=settings.resume,
@@ -577,24 +651,41 @@ def run_finetune(args: argparse.Namespace) -> int:
             teacher=settings.teacher,
             run_info={"cli": {k: getattr(settings, k) for k in RECORDED}},
             deterministic=settings.deterministic,
+            log_interval=settings.log_interval,
         )
     finally:
         stop_processes()
     return 0
 
 
+def _augmentation(settings: argparse.Namespace):
+    """The training augmentation the flags ask for (timm's defaults for those not given), or None."""
+    from odeify.train.datasets import Augmentation
+
+    given = {k: getattr(settings, k) for k in AUGMENTATION_FLAGS if getattr(settings, k) is not None}
+    if not given:
+        return None
+    for key in ("scale", "ratio"):
+        if key in given:
+            given[key] = tuple(given[key])
+    return Augmentation(**given)
+
+
 _RECORDED_TYPES: dict[str, tuple[type, ...]] = {
     "steps": (str, int), "knots": (str, int), "num_classes": (int,), "pretrained": (bool,), "ema": (bool,),
-    "deterministic": (bool,), "input_size": (int,), "leaf": (str,),
+    "deterministic": (bool,), "input_size": (int,), "leaf": (str,), "img_size": (int,),
+    "mean": (float,), "std": (float,), "crop_pct": (float,), "no_aug": (bool,), "scale": (float,),
+    "ratio": (float,), "hflip": (float,), "vflip": (float,), "color_jitter": (float,), "reprob": (float,),
 }  # fmt: skip
 """The types of the recorded command-line settings that are not strings (what argparse produced; of
-the items of the lists input_size and leaf)."""
+the items of the lists in _RECORDED_LISTS)."""
+_RECORDED_LISTS = ("input_size", "leaf", "mean", "std", "scale", "ratio")
 
 
 def _recorded_ok(key: str, value: object) -> bool:
     kinds = _RECORDED_TYPES.get(key, (str,))
-    items = value if key in ("input_size", "leaf") and isinstance(value, list) else None
-    if key in ("input_size", "leaf") and items is None:
+    items = value if key in _RECORDED_LISTS and isinstance(value, list) else None
+    if key in _RECORDED_LISTS and items is None:
         return False
     return all(type(v) in kinds for v in (items if items is not None else [value]))
 
@@ -615,7 +706,8 @@ def _with_recorded(args: argparse.Namespace, run: dict) -> argparse.Namespace:
                 "records; the training state was altered. Start a new run in another --out folder."
             )
     for key in RECORDED:
-        if not getattr(settings, key, None) and recorded.get(key) is not None:
+        value = getattr(settings, key, None)
+        if (value is None or value is False or value == []) and recorded.get(key) is not None:
             setattr(settings, key, recorded[key])
     recipe = run.get("recipe", {})
     for key in RECIPE_FLAGS:

@@ -54,3 +54,15 @@ def print_log_lines(to_stderr: bool, level: int = logging.INFO) -> None:
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level)
+
+
+def print_warnings_plainly() -> None:
+    """Show Python warnings as ``odeify: warning: MESSAGE`` on stderr, once each, without the source
+    line Python prints (a user of the command line has no use for odeify's code)."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        text = " ".join(str(message).split())
+        print(f"odeify: warning: {text}", file=file or sys.stderr)
+
+    warnings.showwarning = show

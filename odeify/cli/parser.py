@@ -17,9 +17,10 @@ from importlib import metadata
 
 from odeify import __version__
 from odeify.cli import arguments as arg
-from odeify.cli.console import print_log_lines, stdout_is_data
+from odeify.cli.console import print_log_lines, print_warnings_plainly, stdout_is_data
 from odeify.core.errors import OdeifyError
 from odeify.models import DEFAULT_MODEL_PATH
+from odeify.train.recipe import DEFAULT_RECIPE
 
 DESCRIPTION = """\
 Compile trained residual networks (timm ResNets) into continuous-in-depth ODE models, then
@@ -117,11 +118,15 @@ and ``list`` do not wait for torch."""
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 failed verification, 2 usage or odeify error)."""
     parser = build_parser()
+    args = None
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            arg.refuse_unknown(parser, args.command, unknown)
         arg.check_command_line(parser, sys.argv[1:] if argv is None else argv, args)
         module, function = HANDLERS[args.command]
         print_log_lines(to_stderr=stdout_is_data(args))
+        print_warnings_plainly()
         return getattr(importlib.import_module(module), function)(args)
     except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
@@ -133,8 +138,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(f"cannot access{where}: {exc.strerror or exc}.")
         return 2
     except KeyboardInterrupt:
-        print("odeify: interrupted", file=sys.stderr)
+        print(_interrupted(args), file=sys.stderr)
         return 130
+
+
+def _interrupted(args: argparse.Namespace | None) -> str:
+    """What Ctrl-C leaves: for a fine-tuning run, the completed epochs and how to continue."""
+    if args is None or getattr(args, "command", None) != "finetune":
+        return "odeify: interrupted"
+    return (
+        f"odeify: interrupted; {args.out} keeps the files of the last completed epoch (an epoch cut short "
+        f"is not saved). Continue the run with: odeify finetune --resume --out {args.out}"
+    )
 
 
 def _error(message: str) -> None:
@@ -220,7 +235,7 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
         "native manifestation (Euler, one step and one knot per block) reproduces MODEL, then apply the\n"
         "requested manifestation and save it with -o.",
     )
-    arg.model_arguments(convert, "MODEL")
+    arg.model_arguments(convert, "MODEL", data_config=True)
     convert.add_argument("-o", "--output", metavar="FILE", help="write the converted model (.safetensors)")
     arg.manifestation_arguments(convert, defaults=True)
     convert.add_argument(
@@ -259,24 +274,26 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "OUT/history.json.\n"
         "The defaults are the recipe measured in docs/finetuning.md. Runs unchanged under torchrun.",
     )
-    arg.model_arguments(finetune, "MODEL|CONVERTED")
+    arg.model_arguments(finetune, "MODEL|CONVERTED", data_config=True)
     arg.data_arguments(finetune, batch_size=None)
     arg.manifestation_arguments(finetune, defaults=False, finetuning=True)
-    finetune.add_argument("--epochs", type=arg.positive_int, help="epochs (default: the recipe's, 3)")
+    arg.augmentation_arguments(finetune)
+    _add_training_flags(finetune)
     finetune.add_argument(
-        "--lr", type=arg.positive_float, help="peak learning rate (default: the recipe's, 1e-3)"
+        "--out",
+        "--output",
+        metavar="DIR",
+        default="runs/finetune",
+        help="output folder (default: runs/finetune); --output is timm's name",
     )
     finetune.add_argument(
-        "--weight-decay", type=arg.nonnegative_float, help="AdamW weight decay (default 0.05)"
-    )
-    finetune.add_argument(
-        "--out", metavar="DIR", default="runs/finetune", help="output folder (default: runs/finetune)"
+        "--experiment", metavar="NAME", help="write the run into OUT/NAME (timm's --experiment)"
     )
     finetune.add_argument(
         "--distill",
         type=arg.fraction,
-        help="weight of distillation from the model at native depth, 0..1 (default: the recipe's, 1; "
-        "0 when the data's classes differ from the model's)",
+        help="weight of distillation from the teacher (the source network, or --teacher), 0..1 "
+        "(default: the recipe's, 1; 0 when the data's classes differ from the model's)",
     )
     finetune.add_argument(
         "--teacher",
@@ -284,7 +301,15 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         help="distill from this model (a converted file or a checkpoint) instead of the source network",
     )
     finetune.add_argument(
+        "--model-ema",
+        action="store_true",
+        default=None,
+        help=f"keep an average of the weights (timm's --model-ema), decay {MODEL_EMA_DECAY} unless "
+        "--model-ema-decay says (not --ema, which loads a checkpoint's EMA weights)",
+    )
+    finetune.add_argument(
         "--ema-decay",
+        "--model-ema-decay",
         type=arg.ema_decay,
         metavar="DECAY",
         help="keep an exponential moving average of the weights, its decay at most DECAY in [0, 1) after "
@@ -301,9 +326,59 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
     )
     finetune.add_argument("--seed", type=arg.seed, help="seed of the batch order and RNGs (default 0)")
     finetune.add_argument(
+        "--log-interval",
+        type=arg.positive_int,
+        default=50,
+        metavar="N",
+        help="when output is not a terminal (or TQDM_DISABLE is set): a progress line every N batches "
+        "(default 50, as timm's train.py)",
+    )
+    finetune.add_argument(
         "--deterministic",
         action="store_true",
         help="use deterministic kernels only (torch.use_deterministic_algorithms): bit-identical reruns",
+    )
+
+
+MODEL_EMA_DECAY = 0.9998  # timm train.py's --model-ema-decay default
+
+
+def _add_training_flags(finetune: argparse.ArgumentParser) -> None:
+    """The optimizer, schedule, clipping and precision flags of a fine-tuning run (timm's names)."""
+    group = finetune.add_argument_group("optimizer, schedule and precision (timm train.py's names)")
+    group.add_argument("--epochs", type=arg.positive_int, help="epochs (default: the recipe's, 3)")
+    group.add_argument(
+        "--lr",
+        type=arg.positive_float,
+        help=f"peak learning rate (default: the recipe's, {DEFAULT_RECIPE.lr:g})",
+    )
+    group.add_argument("--weight-decay", type=arg.nonnegative_float, help="weight decay (default 0.05)")
+    group.add_argument(
+        "--opt", dest="optimizer", metavar="NAME",
+        help="timm optimizer name for create_optimizer_v2 (default: the recipe's, adamw)",
+    )  # fmt: skip
+    group.add_argument(
+        "--sched", choices=["cosine"],
+        help="learning-rate schedule: cosine, per step after a linear warm-up (the only one odeify runs)",
+    )  # fmt: skip
+    group.add_argument(
+        "--warmup-epochs", type=arg.nonnegative_float, metavar="N",
+        help="epochs of linear warm-up (default: the recipe's, a tenth of all steps)",
+    )  # fmt: skip
+    group.add_argument(
+        "--clip-grad", dest="clip_grad_norm", type=arg.clip_norm, metavar="NORM|none",
+        help="clip the gradient norm to NORM (default: the recipe's, 5); none: no clipping",
+    )  # fmt: skip
+    group.add_argument(
+        "--amp", dest="use_amp", action="store_true", default=None,
+        help="autocast the forward pass and loss (timm's --amp; with --backward backprop or checkpoint)",
+    )  # fmt: skip
+    group.add_argument(
+        "--amp-dtype", choices=["float16", "bfloat16"],
+        help="autocast dtype with --amp (default float16, as timm; float16 uses a gradient scaler)",
+    )  # fmt: skip
+    group.add_argument(
+        "--channels-last", action="store_true", default=None, help="channels-last memory format"
     )
 
 
@@ -314,7 +389,7 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
         "accuracy, NFE and time per batch of a model on a data set",
         "Evaluate MODEL|CONVERTED on the validation split (optionally in another manifestation, not saved).",
     )
-    arg.model_arguments(evaluate, "MODEL|CONVERTED")
+    arg.model_arguments(evaluate, "MODEL|CONVERTED", data_config=True)
     arg.data_arguments(evaluate)
     arg.manifestation_arguments(evaluate, defaults=False)
     evaluate.add_argument("--json", action="store_true", help="print the result as JSON (nothing else)")
@@ -328,7 +403,7 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         "Retarget MODEL|CONVERTED to every combination of --integrators, --steps and --knots and evaluate\n"
         "each: a markdown table on stdout and a PNG of accuracy against field evaluations.",
     )
-    arg.model_arguments(sweep, "MODEL|CONVERTED")
+    arg.model_arguments(sweep, "MODEL|CONVERTED", data_config=True)
     arg.data_arguments(sweep)
     sweep.add_argument(
         "--integrators",

@@ -172,7 +172,7 @@ class StageIR(nn.Module):
     def num_knots(self) -> int:
         for slot in self.slots:
             if slot.kind != "shared":
-                return self.slot_tensor(slot).shape[0]
+                return int(self.slot_tensor(slot).shape[0])  # an int under jit.trace too (not a traced size)
         return self.depth
 
     def slot_tensor(self, slot: Slot) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pickle
 from collections.abc import Mapping
@@ -45,7 +46,7 @@ from odeify.models.archs import (
     is_arch_name,
     unknown_name_error,
 )
-from odeify.models.data_config import DATA_CONFIG_KEYS, check_data_config
+from odeify.models.data_config import DATA_CONFIG_KEYS, check_data_config, train_args_data_config
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -86,7 +87,7 @@ class Checkpoint:
     state_dict: dict[str, Tensor]
     arch: str | None = None  # the architecture it names, if any
     arch_kwargs: dict[str, Any] = field(default_factory=dict)  # constructor kwargs it records (checked)
-    data_cfg: dict[str, Any] = field(default_factory=dict)  # input size, mean/std, crop (HF folders)
+    data_cfg: dict[str, Any] = field(default_factory=dict)  # input size, mean/std, crop (HF, train.py args)
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors string metadata
     ema: bool = False  # the weights are the EMA ones
 
@@ -215,6 +216,8 @@ def _from_torch_object(obj: object, path: Path, ema: bool) -> Checkpoint:
             f"{', '.join(map(str, list(obj)[:8]))}). Drop ema=True (CLI: --ema) to use its weights."
         )
     state = obj[state_key] if state_key else obj
+    if ema:
+        logging.getLogger("odeify").info(f"using the EMA weights ('{state_key}') of {path}")
     bad = [k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, Tensor))]
     if bad or not state:
         raise ModelLoadError(
@@ -222,7 +225,7 @@ def _from_torch_object(obj: object, path: Path, ema: bool) -> Checkpoint:
             f"state dict or a training checkpoint with a 'state_dict' entry"
         )
     _check_tensors(state, path)
-    arch, kwargs, kind = None, {}, "state dict"
+    arch, kwargs, kind, data_cfg = None, {}, "state dict", {}
     if state_key is not None:
         kind = "timm training checkpoint"
         named = obj.get("arch")
@@ -230,7 +233,8 @@ def _from_torch_object(obj: object, path: Path, ema: bool) -> Checkpoint:
             arch = named  # train.py writes args.model; without args, the class name (not buildable)
         if isinstance(obj.get("args"), argparse.Namespace):
             kwargs = check_file_kwargs(_train_args_kwargs(obj["args"], path), f"{path} ('args')")
-    return Checkpoint(path, kind, clean_state_dict(dict(state)), arch, kwargs, ema=ema)
+            data_cfg = train_args_data_config(obj["args"], str(path))
+    return Checkpoint(path, kind, clean_state_dict(dict(state)), arch, kwargs, data_cfg, ema=ema)
 
 
 def _train_args_kwargs(args: argparse.Namespace, path: Path) -> dict[str, Any]:

@@ -19,7 +19,14 @@ from typing import Any
 from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.core.limits import MAX_DATA_CONFIG_BYTES, MAX_IN_CHANS, MAX_NUM_CLASSES, MAX_SIDE
 
-__all__ = ["DATA_CONFIG_KEYS", "INTERPOLATIONS", "check_data_config", "data_config_entries"]
+__all__ = [
+    "DATA_CONFIG_KEYS",
+    "INTERPOLATIONS",
+    "TRAIN_ARGS_KEYS",
+    "check_data_config",
+    "data_config_entries",
+    "train_args_data_config",
+]
 
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos", "random")  # timm's names
 CROP_MODES = ("center", "squash", "border")
@@ -146,3 +153,43 @@ def check_data_config(
     ):
         raise error(f"{where}: the data config is over {MAX_DATA_CONFIG_BYTES} bytes of JSON")
     return out
+
+
+TRAIN_ARGS_KEYS = ("input_size", "img_size", "in_chans", "mean", "std", "interpolation", "crop_pct")
+"""The entries of timm train.py's ``args`` that say how its images were prepared (timm's
+``resolve_data_config`` reads them back with these meanings)."""
+
+
+def train_args_data_config(args: object, where: str) -> dict[str, Any]:
+    """The data config a timm ``train.py`` run recorded in its ``args``, as pretrained_cfg entries.
+
+    As ``timm.data.resolve_data_config`` reads them: ``input_size`` (C, H, W) wins over ``img_size``
+    (an int: C from ``in_chans``, else 3); ``mean``/``std`` of one entry apply to every channel;
+    unset entries (None, an empty interpolation) are left out, so the architecture's own defaults
+    stay, as train.py's did. Each value is checked (:func:`check_data_config`).
+    """
+    recorded = {key: getattr(args, key, None) for key in TRAIN_ARGS_KEYS}
+    chans = recorded["in_chans"] if isinstance(recorded["in_chans"], int) else 3
+    cfg: dict[str, Any] = {}
+    if recorded["input_size"] is not None:
+        cfg["input_size"] = _as_list(recorded["input_size"])
+    elif recorded["img_size"] is not None:
+        size = recorded["img_size"]
+        if not _int(1, MAX_SIDE)(size):
+            raise ModelLoadError(f"{where}: args.img_size must be one side in pixels, not {size!r:.60}")
+        cfg["input_size"] = [chans, size, size]
+    channels = cfg.get("input_size", [chans])[0] if isinstance(cfg.get("input_size"), list) else chans
+    for key in ("mean", "std"):
+        value = recorded[key]
+        if value is not None:
+            values = _as_list(value)
+            cfg[key] = values * channels if isinstance(values, list) and len(values) == 1 else values
+    if recorded["interpolation"]:
+        cfg["interpolation"] = recorded["interpolation"]
+    if recorded["crop_pct"]:
+        cfg["crop_pct"] = recorded["crop_pct"]
+    return check_data_config(cfg, f"{where} ('args')")
+
+
+def _as_list(value: object) -> object:
+    return list(value) if isinstance(value, (list, tuple)) else value

@@ -153,7 +153,7 @@ def _name_source(name: str, checkpoint: object, ema: bool, pretrained: bool, kwa
             f"{ckpt.path} says it holds {ckpt.arch!r}; building {name!r} as asked", UserWarning, stacklevel=3
         )
     kwargs = _head_kwargs(name, ckpt, {**(ckpt.arch_kwargs if ckpt.arch == name else {}), **kwargs})
-    return _into(_build(name, kwargs), ckpt, name, kwargs)
+    return _with_data_config(_into(_build(name, kwargs), ckpt, name, kwargs), ckpt)
 
 
 def _file_source(path: Path, arch: str | None, ema: bool, kwargs: dict) -> nn.Module:
@@ -174,9 +174,14 @@ def _file_source(path: Path, arch: str | None, ema: bool, kwargs: dict) -> nn.Mo
         )
     recorded = ckpt.arch_kwargs if ckpt.arch == name else {}
     kwargs = _head_kwargs(name, ckpt, {**recorded, **kwargs})
-    model = _into(_build(name, kwargs), ckpt, name, kwargs)
+    return _with_data_config(_into(_build(name, kwargs), ckpt, name, kwargs), ckpt)
+
+
+def _with_data_config(model: nn.Module, ckpt: Checkpoint) -> nn.Module:
+    """``model`` with the data config its file records (a folder's pretrained_cfg, train.py's args:
+    the input size it was trained at, mean/std, crop) over the architecture's defaults."""
     if ckpt.data_cfg and isinstance(getattr(model, "pretrained_cfg", None), Mapping):
-        model.pretrained_cfg = {**model.pretrained_cfg, **ckpt.data_cfg}  # the folder's input size, mean/std
+        model.pretrained_cfg = {**model.pretrained_cfg, **ckpt.data_cfg}
         model.default_cfg = model.pretrained_cfg
     return model
 

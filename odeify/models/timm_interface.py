@@ -27,7 +27,7 @@ import torch.fx as fx
 from timm.models._manipulate import group_with_matcher
 from torch import nn
 
-from odeify.core.errors import OdeifyError
+from odeify.core.errors import ConfigError, OdeifyError
 from odeify.passes.head import head_input, head_nodes
 from odeify.passes.segments import without_segments
 
@@ -191,6 +191,41 @@ class ConvertedModel(fx.GraphModule):
 
         return group_matcher
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's switch for activation checkpointing. A converted model's equivalent is a backward
+        mode, which re-emits its graph (a compiler job, so it is asked for by name): this accepts
+        what the model already does and otherwise names the call that does it."""
+        modes = {getattr(m, "backward", None) for m in self.modules() if hasattr(m, "adjoint_stats")}
+        segmented = any(type(m).__name__ == "Segment" for m in self.modules())
+        if modes == ({"checkpoint"} if enable else {"backprop"}) and segmented == enable:
+            return
+        raise ConfigError(
+            f"set_grad_checkpointing({enable}): a converted model checkpoints by its backward mode. "
+            + (
+                "Call odeify.set_backward(model, 'checkpoint') (exact: each step's state and each part "
+                "between the stages is recomputed in backward), or a memory-free mode ('reverse', or "
+                "'reversible' for reversible_heun stages)."
+                if enable
+                else "Call odeify.set_backward(model, 'backprop') (autograd stores everything)."
+            )
+        )
+
+    def __reduce__(self):
+        """Pickle (``torch.save(model)``) as fx pickles a GraphModule, then unpickle as a ConvertedModel
+        again, with its timm interface (fx would rebuild a plain GraphModule)."""
+        rebuild, args = super().__reduce__()
+        return (_as_converted, (rebuild, args, self.meta))
+
+    def __prepare_scriptable__(self) -> ConvertedModel:
+        """torch.jit.script calls this first: a converted model's stages run Python that TorchScript
+        cannot compile (exact Fraction times, per-step graphs made on demand), so refuse, naming what
+        records the same computation instead."""
+        raise ConfigError(
+            "torch.jit.script cannot compile a converted model: its ODE stages build their step graphs "
+            "in Python (exact times, graphs made on demand). Record it instead, in eval mode: "
+            "torch.jit.trace(model.eval(), example) or torch.export.export(model.eval(), (example,))."
+        )
+
     def _source_name(self, name: str) -> str:
         """The source-model parameter name a converted parameter stands for (a stage's first block)."""
         for attr, scopes in self._timm.get("stage_blocks", {}).items():
@@ -225,11 +260,28 @@ def adopt(gm: fx.GraphModule, source: nn.Module, stage_blocks: Mapping[str, list
         "stage_blocks": {k: list(v) for k, v in stage_blocks.items()},
         "classifier_is_call": False,
     }
-    impl = type("GraphModuleImpl", (ConvertedModel,), {})  # fx's per-instance class, as GraphModule.__new__
+    gm = _converted_class(gm)
+    gm.meta[META_TIMM] = record
+    return gm
+
+
+def _converted_class(gm: fx.GraphModule) -> ConvertedModel:
+    """``gm`` made a ConvertedModel in place: fx's per-instance class (as GraphModule.__new__ makes
+    one), derived from ConvertedModel."""
+    impl = type("GraphModuleImpl", (ConvertedModel,), {})
     impl.__name__ = type(gm).__name__
     gm.__class__ = impl
-    gm.meta[META_TIMM] = record
     return gm  # type: ignore[return-value]
+
+
+def _as_converted(rebuild: Callable[..., fx.GraphModule], args: tuple, meta: dict) -> ConvertedModel:
+    """Unpickling a ConvertedModel: fx's rebuild of the GraphModule, its ``meta`` (the conversion
+    record and the timm interface; fx's rebuild starts a new one), then its class, onto which its
+    code is compiled."""
+    gm = _converted_class(rebuild(*args))
+    gm.meta = meta
+    gm.recompile()
+    return gm
 
 
 def _call_or(source: nn.Module, method: str, default: Any) -> Any:

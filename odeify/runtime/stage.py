@@ -67,8 +67,20 @@ class ODEStage(StageIR):
         return super()._apply(_per_knot_layout(fn), *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The memory-saving backward when gradients are on; else the unrolled graph. While
+        ``torch.export``, ``torch.jit.trace`` or ONNX record the model, an eval-mode stage runs its
+        unrolled graph (the backward mode matters only in training, and the custom backward cannot
+        be recorded); a training-mode one is refused, naming the fix."""
         if self.backward != "backprop" and torch.is_grad_enabled():
-            return integrate_with_adjoint(self, x)
+            if not recording():
+                return integrate_with_adjoint(self, x)
+            if self.training:
+                raise ConfigError(
+                    f"stage '{self.stage_name}' is in training mode with backward '{self.backward}', "
+                    "whose custom backward cannot be exported or traced. Export the model in eval mode "
+                    "(model.eval(): the backward mode matters only in training), or set "
+                    "odeify.set_backward(model, 'backprop') to export the training graph."
+                )
         return self.run_graph(self.unrolled_graph(), (x,))
 
 
@@ -103,6 +115,11 @@ def _check_batchnorm(stage: ODEStage) -> None:
             "statistics a second time (and a reconstructed state has other batch statistics). "
             "Fold it into the conv before it (odeify.convert does) or freeze it with .eval()."
         )
+
+
+def recording() -> bool:
+    """Whether torch.jit.trace or torch.export (and so ONNX's exporters) is recording the model."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
 def _per_knot_layout(fn):

@@ -34,7 +34,18 @@ from odeify.core.errors import OdeifyError
 from odeify.core.limits import MAX_NUM_CLASSES
 from odeify.models.timm_interface import default_input_size
 
-__all__ = ["DIGITS", "DataError", "LabelledData", "check_data", "fingerprint", "make_loader", "open_data"]
+__all__ = [
+    "DIGITS",
+    "Augmentation",
+    "DataError",
+    "LabelledData",
+    "check_data",
+    "check_data_spec",
+    "data_config",
+    "fingerprint",
+    "make_loader",
+    "open_data",
+]
 
 DIGITS = "digits"
 DIGITS_SAMPLES = 1797  # scikit-learn's digits: what open_data("digits") holds in memory, both splits
@@ -57,11 +68,45 @@ class LabelledData:
     num_classes: int
 
 
-def open_data(spec: str | os.PathLike[str], model: nn.Module) -> LabelledData:
-    """The data ``spec`` names (``"digits"`` or an ImageFolder path), prepared for ``model``'s input."""
+@dataclass(frozen=True)
+class Augmentation:
+    """Training augmentation with timm train.py's flag names, meanings and defaults (its
+    ``create_transform`` arguments): ``no_aug`` (resize and centre-crop only), the random-resized
+    crop's ``scale`` and ``ratio`` ranges, ``hflip``/``vflip`` probabilities, ``color_jitter``, the
+    AutoAugment policy ``aa`` (e.g. ``"rand-m9-mstd0.5"``) and random erasing's ``reprob``."""
+
+    no_aug: bool = False
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = 0.5
+    vflip: float = 0.0
+    color_jitter: float = 0.4
+    aa: str | None = None
+    reprob: float = 0.0
+
+    def transform_kwargs(self) -> dict[str, Any]:
+        """The arguments of ``timm.data.create_transform`` that say this augmentation."""
+        return {
+            "no_aug": self.no_aug, "scale": self.scale, "ratio": self.ratio, "hflip": self.hflip,
+            "vflip": self.vflip, "color_jitter": self.color_jitter, "auto_augment": self.aa,
+            "re_prob": self.reprob,
+        }  # fmt: skip
+
+
+def open_data(
+    spec: str | os.PathLike[str], model: nn.Module, augmentation: Augmentation | None = None
+) -> LabelledData:
+    """The data ``spec`` names (``"digits"`` or an ImageFolder path), prepared for ``model``'s input;
+    an image folder's training split with ``augmentation`` (default: timm's, :class:`Augmentation`)."""
     if os.fspath(spec) == DIGITS:
+        if augmentation is not None and augmentation != Augmentation():
+            raise DataError(
+                "the augmentation flags (--hflip, --scale, --aa, ...) apply to an image folder's images; "
+                "--data digits is the 8x8 digits as tensors, trained as they are. Leave them out, or pass "
+                "--data DIR."
+            )
         return _digits(model)
-    return _image_folder(Path(spec).expanduser(), model)
+    return _image_folder(Path(spec).expanduser(), model, augmentation or Augmentation())
 
 
 def _digits(model: nn.Module) -> LabelledData:
@@ -91,9 +136,15 @@ def _input_shape(model: nn.Module) -> tuple[int, ...]:
     return tuple(recorded) if recorded else default_input_size(model)
 
 
-def _image_folder(root: Path, model: nn.Module) -> LabelledData:
-    import timm.data
+def check_data_spec(spec: str | os.PathLike[str]) -> None:
+    """Refuse a ``--data`` that names no data set (not 'digits', not an ImageFolder with train/ and
+    val/), before any model is loaded: the check costs a few stat calls, loading a model seconds."""
+    if os.fspath(spec) != DIGITS:
+        _split_folders(Path(spec).expanduser())
 
+
+def _split_folders(root: Path) -> tuple[Path, Path]:
+    """``root``'s train/ and val/ (or validation/) folders; a DataError naming what is missing."""
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
         raise DataError(
@@ -110,17 +161,66 @@ def _image_folder(root: Path, model: nn.Module) -> LabelledData:
             f"--data {root} has no {missing} subfolder. The ImageFolder layout is DIR/train/<class>/*.jpg "
             "and DIR/val/<class>/*.jpg (val/ may be named validation/)."
         )
+    return train_dir, val_dir
+
+
+def _strict_dataset(folder: Path, mode: str) -> Dataset:
+    """timm's ImageDataset of ``folder`` (one subfolder per class), except that an image it cannot
+    read stops with its path: timm's own logs a warning and returns the next image in its place, so
+    an evaluation silently counts another image twice (361 samples of 360)."""
+    from PIL import Image
+    from timm.data import ImageDataset
+
+    class StrictImageDataset(ImageDataset):
+        def __getitem__(self, index: int):
+            file, target = self.reader[index][:2]
+            try:
+                image = Image.open(file).convert(self.input_img_mode)  # decodes: a truncated file fails here
+            except OSError as exc:
+                path = self.filename(index, absolute=True)
+                raise DataError(
+                    f"cannot read the image {path} ({exc}); fix or remove it. odeify does not put another "
+                    "image in its place."
+                ) from exc
+            return (self.transform(image) if self.transform is not None else image), target
+
+    return StrictImageDataset(str(folder), input_img_mode=mode)
+
+
+def data_config(model: nn.Module) -> dict[str, Any]:
+    """timm's data config for ``model`` (``resolve_model_data_config``: its pretrained_cfg). When it
+    resizes images to another size than the model was traced (and verified) at, one warning names both."""
+    import timm.data
+
     config = timm.data.resolve_model_data_config(model)
+    traced = getattr(model, "meta", {}).get("odeify", {}).get("input_shape")
+    used = tuple(config["input_size"])
+    if traced and tuple(traced[1:]) != used:
+        warnings.warn(
+            f"the model's data config resizes images to {'x'.join(map(str, used))}, but the model was "
+            f"converted (traced and verified) at {'x'.join(map(str, traced[1:]))}; the data config wins. "
+            f"If the model was trained at {'x'.join(map(str, traced[2:]))} pixels, pass --input-size "
+            f"{' '.join(map(str, traced[1:]))} (Python: set model.pretrained_cfg['input_size']).",
+            UserWarning,
+            stacklevel=3,
+        )
+    return config
+
+
+def _image_folder(root: Path, model: nn.Module, augmentation: Augmentation) -> LabelledData:
+
+    train_dir, val_dir = _split_folders(root)
+    config = data_config(model)
     mode = "L" if config["input_size"][0] == 1 else "RGB"
     splits = []
     for folder, training in ((train_dir, True), (val_dir, False)):
         try:
-            dataset = timm.data.create_dataset("", root=str(folder), search_split=False, input_img_mode=mode)
+            dataset = _strict_dataset(folder, mode)
         except (OSError, RuntimeError, ValueError) as exc:
             raise DataError(f"cannot read the image folder {folder}: {exc}") from exc
         if len(dataset) == 0:
             raise DataError(f"{folder} holds no images (expected {folder}/<class>/<image files>).")
-        dataset.transform = timm.data.create_transform(**config, is_training=training)
+        dataset.transform = _transform(config, augmentation if training else None)
         splits.append(dataset)
     train, val = splits
     classes = train.reader.class_to_idx
@@ -130,6 +230,22 @@ def _image_folder(root: Path, model: nn.Module) -> LabelledData:
             f"({len(classes)} vs {len(val.reader.class_to_idx)}); both need the same class names."
         )
     return LabelledData(str(root), train, val, len(classes))
+
+
+def _transform(config: dict[str, Any], augmentation: Augmentation | None):
+    """timm's transform for ``config``: training with ``augmentation``, else evaluation (None)."""
+    import timm.data
+
+    if augmentation is None:
+        return timm.data.create_transform(**config, is_training=False)
+    try:
+        return timm.data.create_transform(**config, is_training=True, **augmentation.transform_kwargs())
+    except (AssertionError, KeyError, ValueError, TypeError, IndexError) as exc:
+        raise DataError(
+            f"timm cannot build the training augmentation {augmentation} ({type(exc).__name__}: {exc}); "
+            "check --aa (timm's policy names: rand-m9-mstd0.5, augmix-m5-w3, original, v0, ...), --scale "
+            "and --ratio."
+        ) from exc
 
 
 def make_loader(

@@ -81,7 +81,17 @@ from odeify.train.manifestations import (
     source_network,
     unknown_source,
 )
-from odeify.train.progress import LOGGER, epoch_line, header, refine_message, teacher_line
+from odeify.train.progress import (
+    DEFAULT_LOG_INTERVAL,
+    LOGGER,
+    epoch_line,
+    extension_note,
+    finished_note,
+    header,
+    refine_message,
+    run_summary,
+    teacher_line,
+)
 from odeify.train.recipe import DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import (
@@ -98,7 +108,7 @@ from odeify.train.state import (
     require_folder,
 )
 from odeify.train.state_schema import StateError, check_tensors
-from odeify.train.trainer import Trainer, reseed, stage_shape, validate
+from odeify.train.trainer import Trainer, reseed, stage_shape, validate, validation
 
 __all__ = [
     "BEST_FILE",
@@ -159,6 +169,7 @@ def finetune(
     run_info: Mapping[str, Any] | None = None,
     progress: bool = True,
     deterministic: bool = False,
+    log_interval: int = DEFAULT_LOG_INTERVAL,
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
 
@@ -167,9 +178,11 @@ def finetune(
     model keeps (:func:`source_network`), unchanged by retargeting, compression or earlier
     fine-tuning; when it is not known, the run says so and trains on the labels. ``max_batches``
     cuts each epoch short (quick tries). ``run_info`` is recorded with the run and must match on
-    resume, with every other setting (a resumed run continues the recorded one). ``deterministic``
-    makes torch use deterministic kernels (on GPUs: what an exact resume and the reversible
-    backward's bit-exact rebuild need).
+    resume, with every other setting (a resumed run continues the recorded one), except
+    ``recipe.epochs``, which may grow: a finished run then trains further. ``deterministic`` makes
+    torch use deterministic kernels (on GPUs: what an exact resume and the reversible backward's
+    bit-exact rebuild need). ``progress``: a bar on a terminal, else a log line every
+    ``log_interval`` batches.
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
     check_data(data, model)
@@ -208,7 +221,7 @@ def finetune(
                     LOGGER.info(refine_message(epoch, before, stage_shape(trainer.model), kept, optimizer))
             reseed(seed, epoch, procs.rank)
             loader.sampler.set_epoch(epoch)
-            record = trainer.train_epoch(loader, batches, epoch, progress and procs.is_main)
+            record = trainer.train_epoch(loader, batches, epoch, progress and procs.is_main, log_interval)
             _validate_epoch(trainer, record, val_loader)
             history.append(record)
             if folder is not None:
@@ -217,6 +230,8 @@ def finetune(
                 LOGGER.info(
                     epoch_line(record, recipe.epochs, max(h.val_accuracy for h in history[:-1]), folder)
                 )
+        if procs.is_main:
+            LOGGER.info(run_summary(history, folder))
     return FineTuneResult(trainer.output, history)
 
 
@@ -267,7 +282,7 @@ def _loaders(data: LabelledData, recipe: Recipe, seed: int, procs: Processes, wo
 
 def _validate_epoch(trainer: Trainer, record: EpochRecord, val_loader) -> None:
     """Fill in ``record``'s accuracies: the returned model's and, with a weight average, the raw weights'."""
-    record.val_accuracy = validate(trainer.output, val_loader, trainer.procs)
+    record.val_accuracy, record.val_loss = validation(trainer.output, val_loader, trainer.procs)
     if trainer.ema is not None:
         record.val_accuracy_raw = validate(trainer.model, val_loader, trainer.procs)
 
@@ -350,7 +365,8 @@ def use_deterministic_algorithms() -> None:
 def _begin(trainer: Trainer, val_loader, folder: Path | None) -> list[EpochRecord]:
     """Evaluate the model (and the teacher) before training: the history's epoch 0."""
     procs = trainer.procs
-    start = EpochRecord(0, validate(trainer.model, val_loader, procs), **stage_shape(trainer.model))
+    accuracy, loss = validation(trainer.model, val_loader, procs)
+    start = EpochRecord(0, accuracy, val_loss=loss, **stage_shape(trainer.model))
     if folder is not None and procs.is_main:
         save(trainer.model, folder / BEST_FILE)
     teacher = validate(trainer.teacher, val_loader, procs) if trainer.teacher is not None else None
@@ -368,7 +384,7 @@ def _resume(
     sequence of its last epoch, which a kill may have cut short; returns its history."""
     state = read_state(folder / STATE_FILE)
     check_fingerprint(state.get("started_from"), started_from, folder)  # first: the cause, when data changed
-    check_same_run(state["run"], run, folder)
+    check_same_run(state["run"], run, folder, growing=("recipe.epochs",))
     for epoch in refine_epochs:
         if epoch <= state["epoch"]:
             trainer.replace_model(refine(trainer.model))
@@ -385,6 +401,11 @@ def _resume(
         removed = finish_epoch_outputs(folder, trainer.output, history)
         cleaned = f"; removed {len(removed)} temporary file(s) of a killed write" if removed else ""
         LOGGER.info(f"resumed {folder} after epoch {state['epoch']} (optimizer step {trainer.step}){cleaned}")
+        recorded_epochs, epochs = state["run"]["recipe"]["epochs"], trainer.recipe.epochs
+        if epochs > recorded_epochs:
+            LOGGER.info(extension_note(recorded_epochs, epochs, trainer.step, trainer.total_steps))
+        elif state["epoch"] >= epochs:
+            LOGGER.info(finished_note(folder, epochs))
     if trainer.procs.world_size > 1:
         torch.distributed.barrier()
     return history

@@ -8,6 +8,9 @@ Python user configures ``logging`` as for any library (``logging.basicConfig(lev
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import time
 from pathlib import Path
 
 from torch import nn
@@ -15,20 +18,79 @@ from torch import nn
 from odeify.compiler.conversion import converted_stages
 from odeify.train.distributed import Processes
 from odeify.train.recipe import Recipe
-from odeify.train.state import LAST_FILE, EpochRecord
+from odeify.train.state import BEST_FILE, HISTORY_FILE, LAST_FILE, STATE_FILE, SUMMARY_FILE, EpochRecord
 
-__all__ = ["LOGGER", "epoch_line", "header", "refine_message", "teacher_line"]
+__all__ = [
+    "DEFAULT_LOG_INTERVAL",
+    "LOGGER",
+    "BatchProgress",
+    "epoch_line",
+    "extension_note",
+    "finished_note",
+    "header",
+    "plural",
+    "refine_message",
+    "run_summary",
+    "teacher_line",
+]
 
 LOGGER = logging.getLogger("odeify")
+DEFAULT_LOG_INTERVAL = 50  # timm train.py's --log-interval default: a progress line every 50 batches
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 knot', '2 knots', '1 process', '2 processes'."""
+    if count == 1:
+        return f"{count} {noun}"
+    return f"{count} {noun}es" if noun.endswith("s") else f"{count} {noun}s"
 
 
 def header(model: nn.Module, procs: Processes) -> str:
     stages = "; ".join(
-        f"{s.stage_name}: {s.integrator.name}, {s.steps} steps, {s.num_knots} {s.basis} knots, "
-        f"backward {s.backward}"
+        f"{s.stage_name}: {s.integrator.name}, {plural(s.steps, 'step')}, "
+        f"{plural(s.num_knots, s.basis + ' knot')}, backward {s.backward}"
         for s in converted_stages(model)
     )
-    return f"fine-tuning on {procs.world_size} process(es) on {procs.device.type}: {stages}"
+    return f"fine-tuning on {plural(procs.world_size, 'process')} on {procs.device.type}: {stages}"
+
+
+class BatchProgress:
+    """An epoch's progress: tqdm's bar on a terminal; else (a log file, a pipe) or with TQDM_DISABLE
+    set, one log line every ``interval`` batches and at the last (timm's --log-interval)."""
+
+    def __init__(self, total: int, epoch: int, epochs: int, *, show: bool, interval: int) -> None:
+        self.total, self.epoch, self.epochs, self.interval = total, epoch, epochs, interval
+        self.done, self.started, self.bar, self.lines = 0, time.perf_counter(), None, False
+        if not show:
+            return
+        if _tqdm_disabled() or not sys.stderr.isatty():
+            self.lines = True
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=f"epoch {epoch}/{epochs}", leave=False)
+
+    def update(self, loss: float, accuracy: float, lr: float) -> None:
+        """One batch done; ``loss`` and ``accuracy`` are the epoch's running means."""
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+            self.bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.1%}", lr=f"{lr:.2g}")
+        elif self.lines and (self.done % self.interval == 0 or self.done == self.total):
+            seconds = time.perf_counter() - self.started
+            LOGGER.info(
+                f"epoch {self.epoch}/{self.epochs} [{self.done}/{self.total}]: loss {loss:.4f}, accuracy "
+                f"{accuracy:.2%}, lr {lr:.3g}, {seconds / self.done:.3f} s per batch"
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _tqdm_disabled() -> bool:
+    """TQDM_DISABLE set to a true value, as tqdm reads it."""
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def teacher_line(teacher_accuracy: float, start: float, recipe: Recipe) -> str:
@@ -51,6 +113,44 @@ def refine_message(epoch: int, before: dict, after: dict, kept: int, optimizer: 
         f"epoch {epoch}: refined every stage ({changes}). A new {optimizer} takes over: the {kept} "
         "parameters outside the knot stacks keep their optimizer state, the refined knot stacks start "
         "with fresh moments; the learning-rate schedule continues."
+    )
+
+
+def run_summary(history: list[EpochRecord], folder: Path | None) -> str:
+    """The end of a run: the best epoch and its accuracy, what best holds, where the files are."""
+    best = max(history, key=lambda r: (r.val_accuracy, -r.epoch))
+    last = history[-1]
+    trained = f"{plural(last.epoch, 'epoch')} trained" if last.epoch else "no epoch trained"
+    start = history[0].val_accuracy
+    if best.epoch == 0:
+        verdict = (
+            f"no epoch improved on the model before fine-tuning ({start:.2%}), so {BEST_FILE} holds "
+            "that model, unchanged"
+        )
+    else:
+        verdict = f"best: epoch {best.epoch}, val accuracy {best.val_accuracy:.2%} (from {start:.2%})"
+        verdict += f", in {BEST_FILE}" if folder is not None else ""
+    lines = [f"done: {trained}; {verdict}; last: epoch {last.epoch}, val accuracy {last.val_accuracy:.2%}."]
+    if folder is not None:
+        lines.append(
+            f"files in {folder}: {BEST_FILE}, {LAST_FILE} (models: odeify eval, odeify.load), {SUMMARY_FILE} "
+            f"and {HISTORY_FILE} (per epoch), {STATE_FILE} (for --resume)"
+        )
+    return "\n".join(lines)
+
+
+def finished_note(folder: Path, epochs: int) -> str:
+    return (
+        f"the run in {folder} has finished its {plural(epochs, 'epoch')}: nothing to train. To train it "
+        f"further, resume with a larger --epochs (e.g. --epochs {epochs + 1})."
+    )
+
+
+def extension_note(recorded: int, epochs: int, step: int, total: int) -> str:
+    return (
+        f"extending the run from {recorded} to {epochs} epochs: the learning-rate schedule (warm-up, "
+        f"cosine) is recomputed over {total} steps and continues at step {step}, so the epochs added are "
+        f"not those a {epochs}-epoch run would have trained"
     )
 
 

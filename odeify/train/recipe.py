@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from odeify.core.errors import ConfigError
 
-__all__ = ["DEFAULT_RECIPE", "EMA_WARMUP_POWER", "Recipe"]
+__all__ = ["AMP_DTYPES", "DEFAULT_RECIPE", "EMA_WARMUP_POWER", "Recipe"]
+
+AMP_DTYPES = (None, "bfloat16", "float16")  # timm train.py's --amp-dtype names; None: no autocast
 
 EMA_WARMUP_POWER = 2 / 3
 """timm's warm-up of the weight average: the decay after optimizer step ``t + 1`` is
@@ -35,6 +37,12 @@ class Recipe:
     with the step count up to ``ema_decay``, so the average follows the recent weights, not the
     coarse start. The run then returns, validates and saves the average (the last step's weights are
     validated too). ``None`` or ``0``: no average.
+
+    timm train.py's precision and layout flags: ``amp`` runs the forward pass and the loss under
+    ``torch.autocast`` in ``"bfloat16"`` or ``"float16"`` (with a gradient scaler, which skips a
+    step whose scaled gradients overflow, as timm does), ``None`` in full precision;
+    ``channels_last`` trains with the model and batches in channels-last memory format.
+    ``mixup``/``cutmix``: timm's ``Mixup`` alphas (0: off), trained on soft targets.
     """
 
     epochs: int = 3
@@ -48,6 +56,10 @@ class Recipe:
     distill: float = 1.0
     temperature: float = 2.0
     ema_decay: float | None = None
+    amp: str | None = None
+    channels_last: bool = False
+    mixup: float = 0.0
+    cutmix: float = 0.0
 
     @property
     def ema(self) -> bool:
@@ -66,6 +78,9 @@ class Recipe:
             "distill": 0 <= self.distill <= 1,
             "temperature": math.isfinite(self.temperature) and self.temperature > 0,
             "ema_decay": self.ema_decay is None or 0 <= self.ema_decay < 1,
+            "amp": self.amp in AMP_DTYPES,
+            "mixup": math.isfinite(self.mixup) and self.mixup >= 0,
+            "cutmix": math.isfinite(self.cutmix) and self.cutmix >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -74,7 +89,7 @@ class Recipe:
                 f"invalid fine-tuning setting(s): {got}. epochs and batch_size must be positive integers, "
                 "lr a positive number, warmup in [0, 1), weight_decay >= 0, label_smoothing in [0, 1), "
                 "clip_grad_norm positive or None, distill in [0, 1], temperature positive, ema_decay in "
-                "[0, 1) or None."
+                "[0, 1) or None, amp None, 'bfloat16' or 'float16', mixup and cutmix >= 0."
             )
 
 

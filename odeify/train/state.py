@@ -41,6 +41,7 @@ __all__ = [
     "LAST_FILE",
     "STATE_FILE",
     "STATE_KEY",
+    "SUMMARY_FILE",
     "EpochRecord",
     "check_same_run",
     "ema_rng",
@@ -52,22 +53,31 @@ __all__ = [
     "write_epoch_outputs",
     "write_history",
     "write_state",
+    "write_summary",
 ]
 
 LAST_FILE = "last.safetensors"
 BEST_FILE = "best.safetensors"
 STATE_FILE = "train_state.safetensors"
 HISTORY_FILE = "history.json"
+SUMMARY_FILE = "summary.csv"
 STATE_KEY = "odeify_train_state"
-RUN_FILES = (STATE_FILE, LAST_FILE, BEST_FILE, HISTORY_FILE)
+RUN_FILES = (STATE_FILE, LAST_FILE, BEST_FILE, HISTORY_FILE, SUMMARY_FILE)
+SUMMARY_COLUMNS = (
+    "epoch", "train_loss", "train_top1", "eval_loss", "eval_top1", "eval_top1_raw", "lr", "seconds",
+)  # fmt: skip
+"""summary.csv's columns: timm train.py's names (eval_loss, eval_top1 in percent, lr) and the rest of
+an epoch record (train_top1 in percent, eval_top1_raw: the last step's weights when a weight average
+is kept, seconds: the epoch's training time)."""
 
 
 @dataclass
 class EpochRecord:
     """One line of a run's history; epoch 0 is the model before fine-tuning (validation only).
 
-    ``val_accuracy`` is the accuracy of the model the run returns and saves: the weight average when
-    the recipe keeps one, whose last step's weights then score ``val_accuracy_raw`` (else None).
+    ``val_accuracy`` (and ``val_loss``, the mean cross-entropy) is the accuracy of the model the run
+    returns and saves: the weight average when the recipe keeps one, whose last step's weights then
+    score ``val_accuracy_raw`` (else None). ``lr`` is the learning rate of the epoch's last step.
     """
 
     epoch: int
@@ -79,6 +89,7 @@ class EpochRecord:
     val_accuracy_raw: float | None = None
     knots: dict[str, int] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
+    val_loss: float | None = None
 
 
 class TrainingRun(Protocol):
@@ -117,7 +128,7 @@ def write_state(
     for index, entry in optimizer["state"].items():
         for key, value in entry.items():
             if torch.is_tensor(value):
-                tensors[f"optim.{index}.{key}"] = value.detach().cpu().clone()
+                tensors[f"optim.{index}.{key}"] = value.detach().cpu().contiguous().clone()
             else:
                 scalars.setdefault(str(index), {})[key] = value
     record = {
@@ -139,12 +150,28 @@ def write_history(path: Path, history: list[EpochRecord]) -> None:
     atomic_write_bytes(path, json.dumps([asdict(r) for r in history], indent=1).encode())
 
 
+def write_summary(path: Path, history: list[EpochRecord]) -> None:
+    """The run's history as a CSV like timm's ``summary.csv``: one row per epoch (:data:`SUMMARY_COLUMNS`)."""
+
+    def cell(value: float | None, scale: float = 1.0) -> str:
+        return "" if value is None else repr(value * scale)
+
+    rows = [",".join(SUMMARY_COLUMNS)]
+    for r in history:
+        values = [cell(r.train_loss), cell(r.train_accuracy, 100), cell(r.val_loss)]
+        values += [cell(r.val_accuracy, 100), cell(r.val_accuracy_raw, 100), cell(r.lr), cell(r.seconds)]
+        rows.append(",".join([str(r.epoch), *values]))
+    atomic_write_bytes(path, ("\n".join(rows) + "\n").encode())
+
+
 def write_epoch_outputs(folder: Path, model: nn.Module, history: list[EpochRecord]) -> None:
-    """What follows the state after an epoch: ``last``, ``best`` if that epoch improved, the history."""
+    """What follows the state after an epoch: ``last``, ``best`` if that epoch improved, the history
+    (JSON and CSV)."""
     save(model, folder / LAST_FILE)
     if history[-1].val_accuracy > max(h.val_accuracy for h in history[:-1]):
         save(model, folder / BEST_FILE)
     write_history(folder / HISTORY_FILE, history)
+    write_summary(folder / SUMMARY_FILE, history)
 
 
 def finish_epoch_outputs(folder: Path, model: nn.Module, history: list[EpochRecord]) -> list[Path]:
@@ -160,8 +187,9 @@ def finish_epoch_outputs(folder: Path, model: nn.Module, history: list[EpochReco
 
 
 def _prefixed(prefix: str, model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s state dict on the CPU, each name under ``prefix`` (one file holds several)."""
-    return {prefix + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    """``model``'s state dict on the CPU (contiguous: a channels-last run's too), each name under
+    ``prefix`` (one file holds several)."""
+    return {prefix + k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
 
 
 def _unprefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -247,15 +275,33 @@ def require_folder(folder: Path | None) -> Path:
     return folder
 
 
-def check_same_run(recorded: dict, current: dict, folder: Path | None) -> None:
-    """Refuse to resume with settings that differ from the recorded run's (it would not be that run)."""
-    differing = sorted(k for k in {*recorded, *current} if recorded.get(k) != _jsonable(current.get(k)))
+def check_same_run(
+    recorded: dict, current: dict, folder: Path | None, *, growing: tuple[str, ...] = ()
+) -> None:
+    """Refuse to resume with settings that differ from the recorded run's (it would not be that run),
+    naming each setting that differs (``recipe.lr``, ``cli.data``); the settings ``growing`` names
+    may be larger than recorded (``recipe.epochs``: a finished run trained further)."""
+    differing = [
+        (key, old, new)
+        for key, old, new in _differences(recorded, _jsonable(current))
+        if not (key in growing and isinstance(old, int) and isinstance(new, int) and new > old)
+    ]
     if differing:
-        detail = "; ".join(f"{k}: recorded {recorded.get(k)!r}, now {current.get(k)!r}" for k in differing)
+        detail = "; ".join(f"{key}: recorded {old!r:.80}, now {new!r:.80}" for key, old, new in differing)
         raise ConfigError(
             f"cannot resume {folder}: the settings differ from the recorded run ({detail}). Resume with the "
             "recorded settings, or start a new run in another --out folder."
         )
+
+
+def _differences(recorded: Any, current: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, recorded value, current value) for each leaf setting that differs."""
+    if not (isinstance(recorded, dict) and isinstance(current, dict)):
+        return [] if recorded == current else [(prefix.rstrip("."), recorded, current)]
+    found = []
+    for key in sorted({*recorded, *current}):
+        found += _differences(recorded.get(key), current.get(key), f"{prefix}{key}.")
+    return found
 
 
 def _jsonable(value: Any) -> Any:

@@ -34,6 +34,7 @@ _HISTORY_FIELDS = {
     "seconds": "number?",
     "lr": "number?",
     "val_accuracy_raw": "fraction?",
+    "val_loss": "number?",
     "knots": "counts",
     "steps": "counts",
 }
@@ -176,11 +177,15 @@ def _recipe(recipe: object, epoch: int) -> None:
 
 
 def _of_type(value: object, kind: str) -> bool:
+    if value is None:
+        return "None" in kind
     if kind == "int":
         return _is_int(value, 1)
-    if kind == "str":
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind.startswith("str"):
         return isinstance(value, str)
-    return (value is None and "None" in kind) or _is_number(value)
+    return _is_number(value)
 
 
 def _param_groups(groups: object) -> None:

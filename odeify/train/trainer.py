@@ -22,15 +22,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from odeify.compiler.conversion import converted_stages
 from odeify.core.dtypes import model_dtype
-from odeify.core.errors import TrainingDiverged
+from odeify.core.errors import ConfigError, TrainingDiverged
 from odeify.train.distributed import Processes
 from odeify.train.evaluate import evaluate
 from odeify.train.manifestations import refine
 from odeify.train.parametrization import SourceCoordinates, param_groups
+from odeify.train.progress import DEFAULT_LOG_INTERVAL, BatchProgress
 from odeify.train.recipe import EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import STATE_FILE, EpochRecord, ema_rng, write_epoch_outputs, write_state
@@ -38,7 +38,7 @@ from odeify.train.state import STATE_FILE, EpochRecord, ema_rng, write_epoch_out
 if TYPE_CHECKING:
     from timm.utils import ModelEmaV3
 
-__all__ = ["Trainer", "reseed", "stage_shape", "validate"]
+__all__ = ["Trainer", "check_precision", "reseed", "stage_shape", "validate", "validation"]
 
 
 class Trainer:
@@ -58,8 +58,11 @@ class Trainer:
         self.recipe, self.procs, self.total_steps = recipe, procs, total_steps
         self.teacher = teacher.to(procs.device) if teacher is not None else None
         self.step = 0
-        self.model = model
-        self.sources = SourceCoordinates(model)
+        self.model = _in_layout(model, recipe)
+        check_precision(model, recipe)
+        self.scaler = torch.amp.GradScaler(procs.device.type, enabled=recipe.amp == "float16")
+        self.mixup = _mixup(recipe, getattr(model, "num_classes", None))
+        self.sources = SourceCoordinates(self.model)
         self.optimizer, self.trained = self._optimizer()
         self.wrapped = self._wrap()
         self.ema = self._ema()
@@ -104,7 +107,7 @@ class Trainer:
         """
         old_params, old_sources = self.trained, self.sources
         old_state = self.optimizer.state
-        self.model = model.to(self.procs.device)
+        self.model = _in_layout(model.to(self.procs.device), self.recipe)
         self.sources = SourceCoordinates(self.model)
         self.sources.adopt(old_sources)
         self.optimizer, self.trained = self._optimizer()
@@ -121,13 +124,17 @@ class Trainer:
             self.ema.module = refine(self.ema.module).to(self.procs.device).eval()
         return kept
 
-    def train_epoch(self, loader, batches: int, epoch: int, show: bool) -> EpochRecord:
-        """One pass over ``batches`` batches; the loss and accuracy are averaged over all ranks."""
+    def train_epoch(
+        self, loader, batches: int, epoch: int, show: bool, log_interval: int = DEFAULT_LOG_INTERVAL
+    ) -> EpochRecord:
+        """One pass over ``batches`` batches; the loss and accuracy are averaged over all ranks.
+
+        ``show``: report progress (:class:`odeify.train.progress.BatchProgress`)."""
         recipe, device = self.recipe, self.procs.device
         params = list(self.trained.values())
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
         self.model.train()
-        bar = tqdm(total=batches, desc=f"epoch {epoch}/{recipe.epochs}", disable=not show, leave=False)
+        bar = BatchProgress(batches, epoch, recipe.epochs, show=show, interval=log_interval)
         started = time.perf_counter()
         for index, (x, y) in enumerate(loader):
             if index == batches:
@@ -137,26 +144,32 @@ class Trainer:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             x = x.to(device, dtype=model_dtype(self.model), non_blocking=True)  # as timm's --model-dtype
             y = y.to(device, non_blocking=True)
-            logits = self.wrapped(x)
-            loss = self._loss(logits, x, y)
+            if recipe.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            inputs, target = self.mixup(x, y) if self.mixup is not None else (x, y)
+            with _autocast(device, recipe):
+                logits = self.wrapped(inputs)
+                loss = self._loss(logits, inputs, target)
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
-            loss.backward()
+            self.scaler.scale(loss).backward()
             where = f"epoch {epoch}, batch {index + 1}/{batches} (optimizer step {self.step + 1})"
             if not torch.isfinite(loss):
                 raise TrainingDiverged(
                     f"fine-tuning stopped at {where}: the loss is {loss.item()}. {_advice(x, y)}"
                 )
-            self.sources.pull()
+            self.sources.pull()  # gradients in the source's coordinates, still scaled
+            self.scaler.unscale_(self.optimizer)
             grads = [p.grad for p in params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
-            if not torch.isfinite(norm):
+            if not torch.isfinite(norm) and not self.scaler.is_enabled():  # float16: the scaler skips
                 raise TrainingDiverged(
                     f"fine-tuning stopped at {where}: {_bad_gradient(self.model)}. {_advice(x, y)}"
                 )
             if recipe.clip_grad_norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, recipe.clip_grad_norm, norm)
-            self.optimizer.step()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
             self.sources.push()
             self.step += 1
             if self.ema is not None:
@@ -164,10 +177,7 @@ class Trainer:
             n = len(y)
             correct = (logits.detach().argmax(1) == y).sum().item()
             totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
-            bar.update()
-            bar.set_postfix(
-                loss=f"{totals[0] / totals[2]:.3f}", acc=f"{totals[1] / totals[2]:.1%}", lr=f"{lr:.2g}"
-            )
+            bar.update((totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(), lr)
         bar.close()
         seconds = time.perf_counter() - started
         if self.procs.world_size > 1:  # on the device: nccl reduces CUDA tensors only
@@ -187,7 +197,8 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Cross-entropy, mixed with the distillation loss against the teacher when the recipe asks."""
         recipe = self.recipe
-        loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
+        smoothing = 0.0 if y.is_floating_point() else recipe.label_smoothing  # Mixup's targets are smoothed
+        loss = F.cross_entropy(logits, y, label_smoothing=smoothing)
         if self.teacher is None:
             return loss
         with torch.no_grad():
@@ -276,14 +287,71 @@ def _check_finite_weights(model: nn.Module, epoch: int) -> None:
         )
 
 
+def check_precision(model: nn.Module, recipe: Recipe) -> None:
+    """Refuse what the recipe's precision and augmentation cannot train (a ConfigError naming the fix).
+
+    Under autocast the memory-free backward modes would rebuild each step's state at another
+    precision than the forward pass computed it, so their gradients would not be the forward's:
+    ``amp`` trains with ``backprop`` or ``checkpoint`` (which replays the forward under the same
+    autocast). timm's Mixup pairs each sample with another: batches of an even size.
+    """
+    if recipe.amp is not None:
+        memory_free = sorted({s.stage_name for s in converted_stages(model) if s.backward in _REBUILT})
+        if memory_free:
+            raise ConfigError(
+                f"--amp ({recipe.amp} autocast) cannot train stages with a reverse or reversible backward "
+                f"({', '.join(memory_free)}): they rebuild states at full precision. Use --backward "
+                "checkpoint (also memory-saving), or train without --amp."
+            )
+    if (recipe.mixup or recipe.cutmix) and recipe.batch_size % 2:
+        raise ConfigError(
+            f"--mixup/--cutmix mix each sample with another of its batch: the batch size must be even, "
+            f"not {recipe.batch_size} (--batch-size)."
+        )
+
+
+_REBUILT = ("reverse", "reversible")  # backward modes that recompute states instead of storing them
+
+
+def _autocast(device: torch.device, recipe: Recipe):
+    """torch.autocast in the recipe's ``amp`` dtype; a context that does nothing without ``amp``."""
+    dtype = getattr(torch, recipe.amp) if recipe.amp is not None else None
+    return torch.autocast(device.type, dtype=dtype, enabled=recipe.amp is not None)
+
+
+def _in_layout(model: fx.GraphModule, recipe: Recipe) -> fx.GraphModule:
+    """``model`` in channels-last memory format when the recipe asks (timm's --channels-last)."""
+    return model.to(memory_format=torch.channels_last) if recipe.channels_last else model
+
+
+def _mixup(recipe: Recipe, num_classes: int | None):
+    """timm's Mixup/CutMix for the recipe's alphas (label smoothing applied to its soft targets), or None."""
+    if not (recipe.mixup or recipe.cutmix):
+        return None
+    from timm.data import Mixup
+
+    if not num_classes:
+        raise ConfigError("--mixup/--cutmix need the model's class count (model.num_classes); it has none.")
+    return Mixup(
+        mixup_alpha=recipe.mixup, cutmix_alpha=recipe.cutmix, label_smoothing=recipe.label_smoothing,
+        num_classes=num_classes,
+    )  # fmt: skip
+
+
 def validate(model: nn.Module, loader, procs: Processes) -> float:
     """Validation accuracy, computed on rank 0 and shared with every rank."""
-    value = torch.zeros(1, dtype=torch.float64, device=procs.device)  # nccl broadcasts CUDA tensors only
+    return validation(model, loader, procs)[0]
+
+
+def validation(model: nn.Module, loader, procs: Processes) -> tuple[float, float]:
+    """Validation accuracy and mean loss, computed on rank 0 and shared with every rank."""
+    value = torch.zeros(2, dtype=torch.float64, device=procs.device)  # nccl broadcasts CUDA tensors only
     if procs.is_main:
-        value[0] = evaluate(model, loader, device=procs.device).accuracy
+        result = evaluate(model, loader, device=procs.device)
+        value[0], value[1] = result.accuracy, result.loss
     if procs.world_size > 1:
         dist.broadcast(value, 0)
-    return value.item()
+    return value[0].item(), value[1].item()
 
 
 def stage_shape(model: nn.Module) -> dict[str, dict[str, int]]:
