@@ -161,117 +161,144 @@ def extract_run(gm: fx.GraphModule, run: Run, *, contained_in: Run | None = None
         )
     nodes = {n.name: n for n in gm.graph.nodes}
     modules = dict(gm.named_modules())
-    members = [{n.name for n in block_node_list(b, nodes)} for b in run.blocks]
     outer = contained_in or run
     outer_members = {n.name for b in outer.blocks for n in block_node_list(b, nodes)}
     _check_contained(outer, outer_members, nodes, live_nodes(gm.graph))
     cores = [core_nodes(b, nodes, modules) for b in run.blocks]
     if len({len(core) for core in cores}) != 1:
         raise NotLiftable("the blocks' graphs differ in size; they cannot share one template")
-    forks = [nodes[b.fork] for b in run.blocks]
-    scopes = [b.scope for b in run.blocks]
+    return _TemplateBuilder(gm, run, nodes, modules).build(cores)
 
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    env: list[dict[fx.Node | tuple, object]] = [{fork: x} for fork in forks]
-    slots: list[Slot] = []
-    tensors: dict[str, torch.Tensor] = {}
-    slot_nodes: dict[str, fx.Node] = {}
-    template_modules: dict[str, nn.Module] = {}
-    variants: dict[str, list[nn.Module]] = {}
-    origins: dict[str, list[str]] = {}
 
-    def new_slot(base: str, kind: str, values: list[torch.Tensor]) -> fx.Node:
-        name = unique_name(slot_name(base), tensors)
-        slots.append(Slot(name, kind))
-        tensors[name] = (
+class _TemplateBuilder:
+    """Builds one run's block template by walking its blocks in step, lifting what they read.
+
+    What differs between the blocks becomes a slot: a tensor read by ``get_attr`` (stacked per block,
+    or one shared value), a float that differs (a buffer); a module call becomes a template module,
+    with each block's own module kept as a variant where they differ.
+    """
+
+    def __init__(
+        self, gm: fx.GraphModule, run: Run, nodes: dict[str, fx.Node], modules: dict[str, nn.Module]
+    ):
+        self.gm, self.run, self.modules = gm, run, modules
+        self.members = [{n.name for n in block_node_list(b, nodes)} for b in run.blocks]
+        self.forks = [nodes[b.fork] for b in run.blocks]
+        self.scopes = [b.scope for b in run.blocks]
+        self.join = nodes[run.blocks[0].join]
+        self.graph = fx.Graph()
+        self.x = self.graph.placeholder("x")
+        self.env: list[dict[fx.Node | tuple, object]] = [{fork: self.x} for fork in self.forks]
+        self.slots: list[Slot] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.slot_nodes: dict[str, fx.Node] = {}
+        self.template_modules: dict[str, nn.Module] = {}
+        self.variants: dict[str, list[nn.Module]] = {}
+        self.origins: dict[str, list[str]] = {}
+
+    def build(self, cores: list[list[fx.Node]]) -> RunParts:
+        """The template: each core node of the first block, lifted with its peers in the others."""
+        graph, run = self.graph, self.run
+        branch_operand = None
+        for position, node in enumerate(cores[0]):
+            peers = [core[position] for core in cores]
+            if node is self.join:
+                shortcut = _shortcut_position(node, self.forks[0], self.modules)
+                branch = 1 - shortcut
+                branch_operand = self.lift_arg([p.args[branch] for p in peers], f"{node.name}.{branch}")
+                # out of place, even for iadd; a scaled shortcut (x * s) is a node of the block
+                base = (
+                    self.x
+                    if run.blocks[0].kind == "identity"
+                    else self.lift_arg([p.args[shortcut] for p in peers], "")
+                )
+                new = graph.call_function(operator.add, (base, branch_operand))
+            else:
+                target = self.add_module(peers) if node.op == "call_module" else node.target
+                args = self.lift_arg([p.args for p in peers], f"{node.name}")
+                kwargs = self.lift_arg([p.kwargs for p in peers], f"{node.name}")
+                new = graph.create_node(node.op, target, args, kwargs, name=_local_name(node, self.scopes[0]))
+            for e, p in zip(self.env, peers, strict=True):
+                e[p] = new
+        graph.output((branch_operand, self.env[0][cores[0][-1]]))
+        template = fx.GraphModule(self.template_modules, graph, f"{stage_attribute(run)}_template")
+        return RunParts(template, self.slots, self.tensors, self.variants, self.origins)
+
+    def new_slot(self, base: str, kind: str, values: list[torch.Tensor]) -> fx.Node:
+        name = unique_name(slot_name(base), self.tensors)
+        self.slots.append(Slot(name, kind))
+        self.tensors[name] = (
             values[0].detach().clone() if kind == "shared" else torch.stack([v.detach() for v in values])
         )
-        anchor = slot_nodes[slots[-2].name] if len(slots) > 1 else x
-        with graph.inserting_after(anchor):
-            placeholder = graph.placeholder(name)
-        slot_nodes[name] = placeholder
+        anchor = self.slot_nodes[self.slots[-2].name] if len(self.slots) > 1 else self.x
+        with self.graph.inserting_after(anchor):
+            placeholder = self.graph.placeholder(name)
+        self.slot_nodes[name] = placeholder
         return placeholder
 
-    def add_module(peers: list[fx.Node | None]) -> str:
+    def add_module(self, peers: list[fx.Node | None]) -> str:
         """The template path for one module call of every block (None: the block makes no such call)."""
         owner = next(i for i, p in enumerate(peers) if p is not None)
-        peer_modules = [modules[p.target] if p is not None else nn.Identity() for p in peers]
+        peer_modules = [self.modules[p.target] if p is not None else nn.Identity() for p in peers]
         if any(True for _ in peer_modules[owner].parameters()):
             raise NotLiftable(
                 f"module '{peers[owner].target}' ({type(peer_modules[owner]).__name__}) has parameters but "
                 "is an fx leaf, so its weights cannot be interpolated; fold it or trace through it"
             )
-        target = _relative(peers[owner].target, scopes[owner])
-        if template_modules.get(target, peer_modules[owner]) is not peer_modules[owner]:
-            target = unique_name(target, template_modules)
-        template_modules[target] = peer_modules[owner]
+        target = _relative(peers[owner].target, self.scopes[owner])
+        if self.template_modules.get(target, peer_modules[owner]) is not peer_modules[owner]:
+            target = unique_name(target, self.template_modules)
+        self.template_modules[target] = peer_modules[owner]
         if len({repr(m) for m in peer_modules}) > 1:
-            variants[target.replace(".", "__")] = peer_modules
+            self.variants[target.replace(".", "__")] = peer_modules
         return target
 
-    def lift_node(values: list[fx.Node]):
-        first = values[0]
+    def lift_node(self, values: list[fx.Node]):
+        first, env = values[0], self.env
         if first in env[0]:
             return env[0][first]
         if first.op == "get_attr":
             key = ("attr", first.name)
             if key not in env[0]:
-                tensors_k = [fetch_attr(gm, v.target) for v in values]
-                relative = _relative(first.target, scopes[0])
-                env[0][key] = _tensor_slot(new_slot, relative, tensors_k)
-                origins[slots[-1].name] = [v.target for v in values]
+                tensors_k = [fetch_attr(self.gm, v.target) for v in values]
+                relative = _relative(first.target, self.scopes[0])
+                env[0][key] = _tensor_slot(self.new_slot, relative, tensors_k)
+                self.origins[self.slots[-1].name] = [v.target for v in values]
                 for e, v in zip(env[1:], values[1:], strict=True):
                     e[("attr", v.name)] = env[0][key]
             return env[0][key]
         raise NotLiftable(f"block reads '{first.name}', computed outside the block")
 
-    def lift_arg(values: list, path: str):
+    def lift_arg(self, values: list, path: str):
         first = values[0]
         if isinstance(first, fx.Node):
-            sources = [pass_through_source(v, m, modules) for v, m in zip(values, members, strict=True)]
-            value = lift_node([source for source, _ in sources])
-            chains = [chain for _, chain in sources]
-            for depth in range(max(len(chain) for chain in chains)):
-                peers = [chain[depth] if depth < len(chain) else None for chain in chains]
-                owner = next(i for i, p in enumerate(peers) if p is not None)
-                target = add_module(peers)
-                name = _local_name(peers[owner], scopes[owner])
-                value = graph.create_node("call_module", target, (value,), name=name)
-            return value
+            return self._lift_with_pass_through(values)
         if isinstance(first, (tuple, list)):
-            return type(first)(lift_arg([v[i] for v in values], f"{path}.{i}") for i in range(len(first)))
+            return type(first)(
+                self.lift_arg([v[i] for v in values], f"{path}.{i}") for i in range(len(first))
+            )
         if isinstance(first, dict):
-            return {k: lift_arg([v[k] for v in values], f"{path}.{k}") for k in first}
+            return {k: self.lift_arg([v[k] for v in values], f"{path}.{k}") for k in first}
         if isinstance(first, slice):  # x[:, :H] after Swin's window_reverse: H is a node
             parts = ("start", "stop", "step")
-            return slice(*(lift_arg([getattr(v, p) for v in values], f"{path}.{p}") for p in parts))
+            return slice(*(self.lift_arg([getattr(v, p) for v in values], f"{path}.{p}") for p in parts))
         if isinstance(first, float) and any(v != first for v in values):
-            stacked = [torch.tensor(v, dtype=model_dtype(gm)) for v in values]
-            return new_slot(f"const_{path}", "buffer", stacked)
+            stacked = [torch.tensor(v, dtype=model_dtype(self.gm)) for v in values]
+            return self.new_slot(f"const_{path}", "buffer", stacked)
         return first
 
-    join = nodes[run.blocks[0].join]
-    branch_operand = None
-    for position, node in enumerate(cores[0]):
-        peers = [core[position] for core in cores]
-        if node is join:
-            shortcut = _shortcut_position(node, forks[0], modules)
-            branch = 1 - shortcut
-            branch_operand = lift_arg([p.args[branch] for p in peers], f"{node.name}.{branch}")
-            # out of place, even for iadd; a scaled shortcut (x * s) is a node of the block
-            base = x if run.blocks[0].kind == "identity" else lift_arg([p.args[shortcut] for p in peers], "")
-            new = graph.call_function(operator.add, (base, branch_operand))
-        else:
-            target = add_module(peers) if node.op == "call_module" else node.target
-            args = lift_arg([p.args for p in peers], f"{node.name}")
-            kwargs = lift_arg([p.kwargs for p in peers], f"{node.name}")
-            new = graph.create_node(node.op, target, args, kwargs, name=_local_name(node, scopes[0]))
-        for e, p in zip(env, peers, strict=True):
-            e[p] = new
-    graph.output((branch_operand, env[0][cores[0][-1]]))
-    template = fx.GraphModule(template_modules, graph, f"{stage_attribute(run)}_template")
-    return RunParts(template, slots, tensors, variants, origins)
+    def _lift_with_pass_through(self, values: list[fx.Node]):
+        """A node operand, with each block's pass-through calls on that edge put back."""
+        sources = [pass_through_source(v, m, self.modules) for v, m in zip(values, self.members, strict=True)]
+        value = self.lift_node([source for source, _ in sources])
+        chains = [chain for _, chain in sources]
+        for depth in range(max(len(chain) for chain in chains)):
+            peers = [chain[depth] if depth < len(chain) else None for chain in chains]
+            owner = next(i for i, p in enumerate(peers) if p is not None)
+            target = self.add_module(peers)
+            name = _local_name(peers[owner], self.scopes[owner])
+            value = self.graph.create_node("call_module", target, (value,), name=name)
+        return value
 
 
 def _move_fold_records(gm: fx.GraphModule, stage: StageIR, parts: RunParts | SplitParts, scope: str) -> None:
