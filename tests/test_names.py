@@ -38,7 +38,7 @@ def test_a_tableau_name_in_the_listing_is_a_comment_not_a_line(digits) -> None:
     code = odeify.model_code(_named(digits, name))
     lines = [line.strip() for line in code.splitlines()]
     assert not any(line.startswith(("import os", "os.system")) for line in lines)  # no live line
-    assert f"# stage 'layer1' ({name!r}, 1 steps" in code  # the name, as its one-line repr
+    assert f"# stage 'layer1' ({name!r}, 1 step, " in code  # the name, as its one-line repr
     assert "# stage 'layer1' (euler" in odeify.model_code(odeify.retarget(digits, backward="checkpoint"))
 
 

@@ -300,8 +300,8 @@ def _three_classes(digits):
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("rk4 model", "stage 'layer1' was 'euler, 1 steps, 4 constant knots, backward checkpoint', now 'rk4"),
-        ("2-knot model", "now 'euler, 1 steps, 2 constant knots"),
+        ("rk4 model", "stage 'layer1' was 'euler, 1 step, 4 constant knots, backward checkpoint', now 'rk4"),
+        ("2-knot model", "now 'euler, 1 step, 2 constant knots"),
         # the kept source (the teacher) is the changed model's start: it changed too
         (
             "other weights",

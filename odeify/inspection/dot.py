@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from odeify.core.words import plural
 from odeify.ir.meta import node_tag
 from odeify.ir.plan import Plan
 from odeify.passes.tracing import node_shape
@@ -82,8 +83,8 @@ def converted_to_dot(gm: fx.GraphModule, title: str) -> str:
     lines.extend("  " + _node_line(gm, node, None) for node in outside)
     for index, (name, stage) in enumerate(stages.items()):
         label = (
-            f"{name}: {stage.integrator.name}, {stage.steps} steps, {stage.num_knots} {stage.basis} knots, "
-            f"backward {stage.backward}"
+            f"{name}: {stage.integrator.name}, {plural(stage.steps, 'step')}, "
+            f"{plural(stage.num_knots, stage.basis + ' knot')}, backward {stage.backward}"
         )
         lines.append(f"  subgraph cluster_stage_{index} {{")
         lines.append(f'    label={_quote(label)}; style=rounded; bgcolor="#e8f0fe"; color="#4a72c4";')

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from odeify.codegen.emit import unrolled_graph
 from odeify.compiler.conversion import check_converted, converted_stages
+from odeify.core.words import plural
 from odeify.passes.segments import Segment
 
 __all__ = ["model_code"]
@@ -26,8 +27,8 @@ def model_code(model: fx.GraphModule) -> str:
         if stage.inlined:
             continue  # its steps are in the model's code above
         header = (
-            f"# stage {stage.stage_name!r} ({_name(stage.integrator.name)}, {stage.steps} steps, "
-            f"{stage.num_knots} knots, {stage.basis} basis, backward={stage.backward!r}): what "
+            f"# stage {stage.stage_name!r} ({_name(stage.integrator.name)}, {plural(stage.steps, 'step')}, "
+            f"{plural(stage.num_knots, 'knot')}, {stage.basis} basis, backward={stage.backward!r}): what "
             f"self.{_name(_attribute(model, stage))}(x) computes. Forward runs these steps without keeping "
             "activations; backward re-runs them (see docs/backward-modes.md)."
         )

@@ -17,6 +17,7 @@ from torch import nn
 
 from odeify.compiler.conversion import converted_stages
 from odeify.core.fileio import atomic_path
+from odeify.core.words import plural
 from odeify.numerics.bases import get_basis
 
 __all__ = [
@@ -81,8 +82,9 @@ def plot_weight_path(model: nn.Module, path: str | os.PathLike[str], title: str 
         ax.set_xlabel("depth t (stage input 0, output 1)")
         ax.set_ylabel("norm of the weight tensor")
         ax.set_title(
-            _plain(f"{stage.stage_name}: {count} knots, {stage.basis} basis\n{stage.integrator.name}, ")
-            + f"{stage.steps} step{'s' if stage.steps != 1 else ''}"
+            _plain(f"{stage.stage_name}: {plural(count, 'knot')}, {stage.basis} basis\n")
+            + _plain(f"{stage.integrator.name}, ")
+            + plural(stage.steps, "step")
         )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

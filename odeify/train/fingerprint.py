@@ -19,6 +19,7 @@ from torch import nn
 
 from odeify.compiler.conversion import converted_stages
 from odeify.core.errors import ConfigError
+from odeify.core.words import plural
 from odeify.train.datasets import LabelledData, fingerprint
 
 __all__ = ["check_fingerprint", "run_fingerprint"]
@@ -113,7 +114,8 @@ def _classes(value: object) -> str:
 def _manifestation(model: nn.Module) -> dict[str, str]:
     return {
         s.stage_name: (
-            f"{s.integrator.name}, {s.steps} steps, {s.num_knots} {s.basis} knots, backward {s.backward}"
+            f"{s.integrator.name}, {plural(s.steps, 'step')}, {plural(s.num_knots, s.basis + ' knot')}, "
+            f"backward {s.backward}"
         )
         for s in converted_stages(model)
     }

@@ -16,6 +16,7 @@ from pathlib import Path
 from torch import nn
 
 from odeify.compiler.conversion import converted_stages
+from odeify.core.words import plural
 from odeify.train.distributed import Processes
 from odeify.train.recipe import Recipe
 from odeify.train.state import BEST_FILE, HISTORY_FILE, LAST_FILE, STATE_FILE, SUMMARY_FILE, EpochRecord
@@ -36,13 +37,6 @@ __all__ = [
 
 LOGGER = logging.getLogger("odeify")
 DEFAULT_LOG_INTERVAL = 50  # timm train.py's --log-interval default: a progress line every 50 batches
-
-
-def plural(count: int, noun: str) -> str:
-    """'1 knot', '2 knots', '1 process', '2 processes'."""
-    if count == 1:
-        return f"{count} {noun}"
-    return f"{count} {noun}es" if noun.endswith("s") else f"{count} {noun}s"
 
 
 def header(model: nn.Module, procs: Processes) -> str:
