@@ -1,4 +1,4 @@
-"""Shared fixtures: cached random-weight test models and fixed random inputs."""
+"""Shared fixtures: cached random-weight test models, fixed random inputs, the shipped digits model."""
 
 from __future__ import annotations
 
@@ -52,3 +52,20 @@ def image() -> Callable[..., torch.Tensor]:
         return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def native() -> nn.Module:
+    """The shipped digits model, converted: one knot and one Euler step per block (the source network)."""
+    import odeify
+    from odeify.models import DEFAULT_MODEL_PATH
+
+    return odeify.convert(str(DEFAULT_MODEL_PATH))
+
+
+@pytest.fixture(scope="module")
+def digits(native: nn.Module):
+    """The digits data set (train/val/test splits) as ``native`` reads it."""
+    from odeify.train.datasets import open_data
+
+    return open_data("digits", native)

@@ -12,16 +12,10 @@ from PIL import Image
 
 import odeify
 from odeify.cli.parser import main
-from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.digits import DIGITS_MEAN, DIGITS_STD, load_digits
 from odeify.train.datasets import DataError, make_loader, open_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def native() -> torch.nn.Module:
-    return odeify.convert(str(DEFAULT_MODEL_PATH))
 
 
 def image_folder(root: Path, train: int = 12, val: int = 4) -> Path:

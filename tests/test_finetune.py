@@ -32,7 +32,7 @@ from torch.utils.data import Dataset, TensorDataset
 import odeify
 from odeify.core.lock import LOCK_FILE
 from odeify.models import DEFAULT_MODEL_PATH
-from odeify.train.datasets import LabelledData, open_data
+from odeify.train.datasets import LabelledData
 from odeify.train.finetune import (
     BEST_FILE,
     DEFAULT_RECIPE,
@@ -52,16 +52,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 QUICK = replace(DEFAULT_RECIPE, epochs=2, batch_size=16)
 BATCHES = 3
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-@pytest.fixture(scope="module")
-def native() -> torch.nn.Module:
-    return odeify.convert(str(DEFAULT_MODEL_PATH))
-
-
-@pytest.fixture(scope="module")
-def digits(native: torch.nn.Module) -> LabelledData:
-    return open_data("digits", native)
 
 
 def coarse(native: torch.nn.Module) -> torch.nn.Module:

@@ -15,23 +15,12 @@ from torch.utils.data import Dataset, TensorDataset
 
 import odeify
 from odeify.core.errors import ConfigError
-from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.datasets import DataError, LabelledData, open_data
 from odeify.train.finetune import DEFAULT_RECIPE, TrainingDiverged, finetune
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ONE = replace(DEFAULT_RECIPE, epochs=1, batch_size=16)
-
-
-@pytest.fixture(scope="module")
-def native() -> torch.nn.Module:
-    return odeify.convert(str(DEFAULT_MODEL_PATH))
-
-
-@pytest.fixture(scope="module")
-def digits(native) -> LabelledData:
-    return open_data("digits", native)
 
 
 def _train(native, data, **kwargs):

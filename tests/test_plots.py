@@ -9,16 +9,10 @@ import torch
 
 import odeify
 from odeify.inspection.plots import plot_history, plot_memory, plot_sweep, plot_weight_path, weight_path
-from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.finetune import EpochRecord
 from odeify.train.sweep import SweepPoint
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def native() -> torch.nn.Module:
-    return odeify.convert(str(DEFAULT_MODEL_PATH))
 
 
 def test_constant_path_holds_each_knot_over_its_cell(native: torch.nn.Module) -> None:

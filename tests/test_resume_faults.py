@@ -29,8 +29,7 @@ import odeify
 from odeify.core.errors import ConfigError
 from odeify.core.fileio import _HOST
 from odeify.core.lock import LOCK_FILE, folder_lock
-from odeify.models import DEFAULT_MODEL_PATH
-from odeify.train.datasets import LabelledData, open_data
+from odeify.train.datasets import open_data
 from odeify.train.finetune import (
     BEST_FILE,
     DEFAULT_RECIPE,
@@ -48,16 +47,6 @@ QUICK = replace(
     DEFAULT_RECIPE, epochs=2, batch_size=16, lr=1e-3
 )  # 1e-3: the last epoch improves (part 2 needs it)
 COMMON = {"max_batches": 3, "progress": False}
-
-
-@pytest.fixture(scope="module")
-def native() -> torch.nn.Module:
-    return odeify.convert(str(DEFAULT_MODEL_PATH))
-
-
-@pytest.fixture(scope="module")
-def digits(native: torch.nn.Module) -> LabelledData:
-    return open_data("digits", native)
 
 
 def coarse(native: torch.nn.Module) -> torch.nn.Module:
