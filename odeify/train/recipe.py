@@ -45,10 +45,10 @@ class Recipe:
     ``mixup``/``cutmix``: timm's ``Mixup`` alphas (0: off), trained on soft targets.
     """
 
-    epochs: int = 3
+    epochs: int = 6
     batch_size: int = 64
     optimizer: str = "adamw"
-    lr: float = 2e-4
+    lr: float = 3e-4
     warmup: float = 0.1
     weight_decay: float = 0.05
     label_smoothing: float = 0.0
