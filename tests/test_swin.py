@@ -234,7 +234,11 @@ def test_the_code_shows_the_split_steps_and_the_glue(converted) -> None:
 
 class TokenPair(nn.Module):
     """``x + f(x)`` on (B, H, W, C), then ``x + g(x)`` on the tokens (B, H*W, C), reshaped back;
-    ``twist`` transposes H and W at the end (a layout the next pair does not undo)."""
+    ``twist`` transposes H and W at the end (a layout the next pair does not undo).
+
+    Unlike Swin's MLP (token by token, so the same on the map), ``g`` normalises over all tokens:
+    a sub-field that did not reshape the state to tokens would compute something else.
+    """
 
     def __init__(self, c: int, twist: bool = False) -> None:
         super().__init__()
@@ -244,7 +248,7 @@ class TokenPair(nn.Module):
         B, H, W, C = x.shape
         x = x + F.gelu(self.f(x))
         x = x.reshape(B, -1, C)
-        x = x + torch.tanh(self.g(x))
+        x = x + torch.softmax(self.g(x), dim=1)
         x = x.reshape(B, H, W, C)
         return x.transpose(1, 2) if self.twist else x
 
