@@ -6,7 +6,9 @@ become knots too. Modules that differ only in float settings (growing DropPath r
 per block, and so are pass-through calls (``DropPath``, dropout, ``nn.Identity``) that only some
 blocks make: the template calls a module wherever any block does, and a block without one gets
 ``nn.Identity`` there. At native depth with Euler the stage reproduces the run exactly, so this
-pass preserves computation.
+pass preserves computation. A run of period p becomes one template per sub-field; where layout
+glue joins its sub-blocks (Swin), each sub-field's template holds the glue that maps the stage
+state to its sub-block's input and the update back (:mod:`odeify.passes.glue`).
 """
 
 from __future__ import annotations
