@@ -141,14 +141,11 @@ def check_native_exact(model: nn.Module, family: Family, image) -> Plan:
     assert ref.abs().max() > 0
     error = relative_error(out, ref)
     assert error <= FP64_TOLERANCE, f"{family.name}: relative error {error:.3e}"
-    # a run of period p becomes a split stage unless glue joins its sub-blocks (Swin)
-    lifted = [run for run in plan.runs if not run.glue]
-    assert [(s.stage_name, s.depth) for s in converted_stages(converted)] == [
-        (r.name, r.length) for r in lifted
-    ]
-    not_lifted = converted.meta["odeify"]["not_lifted"]
-    assert set(not_lifted) == {run.name for run in plan.runs if run.glue}
-    assert all("layout nodes" in why and "split stage" in why for why in not_lifted.values())
+    # every run is lifted: a run of period p to a split stage of p sub-fields, glue inside them (Swin)
+    stages = converted_stages(converted)
+    assert [(s.stage_name, s.depth) for s in stages] == [(r.name, r.length) for r in plan.runs]
+    assert [getattr(s, "num_fields", 1) for s in stages] == plan.run_periods
+    assert converted.meta["odeify"]["not_lifted"] == {}
     return plan
 
 
