@@ -288,7 +288,7 @@ def _plot_weight_path(model: fx.GraphModule, name: str, path: Path) -> None:
 
 
 def _code_listing(model: fx.GraphModule) -> str:
-    """The converted model's Python, with each stage's integrator code in every backward mode."""
+    """The converted model's forward as Python: inlined stages in its code, the others' steps after it."""
     return odeify.model_code(model)
 
 
