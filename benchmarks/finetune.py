@@ -1,19 +1,26 @@
 """Benchmark: which fine-tuning recipe brings coarse manifestations of user-like models back.
 
-On the corpus of ``benchmarks/corpus.py`` (docs/corpus.md: timm resnet18, resnet26d and resnetv2_18
-trained as a user's quick train.py run, on an ImageFolder of 32x32 digits, and the three digits
-models of ``examples/train_digits.py``), for each model and each manifestation below, each
-candidate recipe runs ``odeify.train.finetune.finetune`` (the loop ``odeify finetune`` runs) from
-the model's coarse manifestation, with no teacher argument (the default teacher: the source
-network the model keeps):
+On the corpus of ``benchmarks/corpus.py`` (docs/corpus.md: timm resnet18, resnet26d, resnetv2_18
+and a 6-block ViT-Tiny trained as a user's quick train.py run, on an ImageFolder of 32x32 digits,
+and the three digits models of ``examples/train_digits.py``), for each model and each
+manifestation below that its stages can take, each candidate recipe runs
+``odeify.train.finetune.finetune`` (the loop ``odeify finetune`` runs) from the model's coarse
+manifestation, with no teacher argument (the default teacher: the source network the model keeps):
 
-- Euler, 1 step per stage, ``backward='checkpoint'``;
+- Euler, 1 step per stage, ``backward='checkpoint'`` (on the ViT's split stage: one Lie-Trotter
+  step);
 - rk4, 1 step per stage, ``backward='reverse'``;
 - reversible Heun, half the native steps, ``backward='reversible'``;
-- linear basis, 2 knots per stage, Euler at native steps, ``backward='reverse'``;
+- linear basis, 2 knots per stage, Euler (Lie-Trotter) at native steps, ``backward='reverse'``;
 - ALF at the native steps, ``backward='reversible'``, where this odeify has the integrator (at half
   the steps ALF's one midpoint evaluation falls on a jump of the constant weight path, which
-  odeify refuses).
+  odeify refuses);
+- Strang splitting at half the native steps, ``backward='checkpoint'``: the ViT only.
+
+The ViT's blocks become one split stage (dx/dt = F_attn + F_mlp), which runs splitting schemes
+only and no ``reversible`` backward (docs/backward-modes.md); the ResNets' stages run no splitting
+scheme. ``SPLIT_MODELS`` names the models with split stages; a manifestation their stages cannot
+take is not planned for them.
 
 and the one-step check: one optimizer step of the recipe (``epochs=1, max_batches=1``: the whole
 schedule is that step, at the peak learning rate) on the converted model at native depth. Every run
@@ -60,7 +67,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 CORPUS = REPO / "out" / "corpus"
 CACHE = REPO / "out" / "finetune_bench" / "runs.jsonl"
-MODELS = ("resnet18", "resnet26d", "resnetv2_18", "digits_seed0", "digits_seed1", "digits_seed2")
+MODELS = ("resnet18", "resnet26d", "resnetv2_18", "vit6", "digits_seed0", "digits_seed1", "digits_seed2")
+SPLIT_MODELS = ("vit6",)  # its residual runs are period-2 (attention, MLP): one split stage
 TARGET_GAP = 0.5  # points: within 0.5 point of the source's accuracy
 ONE_STEP_LIMIT = 1.0  # points: one step changes accuracy by less than this
 ONE_STEP = "one step, native depth"
@@ -70,6 +78,7 @@ MANIFESTATIONS: dict[str, dict[str, Any]] = {
     "rev. Heun, half steps": {"integrator": "reversible_heun", "steps": "x0.5", "backward": "reversible"},
     "linear, 2 knots": {"basis": "linear", "knots": 2, "backward": "reverse"},
     "ALF, native steps": {"integrator": "alf", "steps": "native", "backward": "reversible"},
+    "Strang, half steps": {"integrator": "strang", "steps": "x0.5", "backward": "checkpoint"},
 }
 CLI_FLAGS = {"integrator": "--integrator", "steps": "--steps", "knots": "--knots", "basis": "--basis"}
 AUGMENTATIONS = {
@@ -277,10 +286,23 @@ def _default_augmentation(model: str, label: str) -> str | None:
     return None if model.startswith("digits") else label
 
 
-def _available_manifestations() -> list[str]:
+def _available_manifestations(model: str) -> list[str]:
+    """The manifestations this odeify has and ``model``'s stages can take.
+
+    A split stage runs splitting schemes (``euler`` is read as ``lie_trotter``) and refuses
+    ``reversible``; any other stage runs tableaus and reversible schemes, no splitting scheme.
+    """
+    from odeify.numerics.splitting import SPLITTINGS
     from odeify.numerics.tableaus import KNOWN_INTEGRATORS
 
-    return [m for m, s in MANIFESTATIONS.items() if s.get("integrator", "euler") in KNOWN_INTEGRATORS]
+    def takes(settings: dict[str, Any]) -> bool:
+        integrator = settings.get("integrator", "euler")
+        if model in SPLIT_MODELS:
+            return integrator in {*SPLITTINGS, "euler"} and settings.get("backward") != "reversible"
+        return integrator not in SPLITTINGS
+
+    known = [m for m, s in MANIFESTATIONS.items() if s.get("integrator", "euler") in KNOWN_INTEGRATORS]
+    return [m for m in known if takes(MANIFESTATIONS[m])]
 
 
 def planned(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -296,7 +318,8 @@ def planned(args: argparse.Namespace) -> list[dict[str, Any]]:
         for recipe in recipes:
             for seed in range(args.seeds):
                 for model in args.models:
-                    for manifestation in [m for m in [ONE_STEP, *_available_manifestations()] if m in wanted]:
+                    runs = [m for m in [ONE_STEP, *_available_manifestations(model)] if m in wanted]
+                    for manifestation in runs:
                         parts = {"via": via, "model": model, "recipe": recipe, "seed": seed}
                         augmented = _default_augmentation(model, augmentation)
                         keys.append(_key(**parts, manifestation=manifestation, augmentation=augmented))

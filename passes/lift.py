@@ -6,7 +6,9 @@ become knots too. Modules that differ only in float settings (growing DropPath r
 per block, and so are pass-through calls (``DropPath``, dropout, ``nn.Identity``) that only some
 blocks make: the template calls a module wherever any block does, and a block without one gets
 ``nn.Identity`` there. At native depth with Euler the stage reproduces the run exactly, so this
-pass preserves computation.
+pass preserves computation. A run of period p becomes one template per sub-field; where layout
+glue joins its sub-blocks (Swin), each sub-field's template holds the glue that maps the stage
+state to its sub-block's input and the update back (:mod:`odeify.passes.glue`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ from odeify.ir.plan import Run
 from odeify.ir.stage_ir import Slot, StageIR
 from odeify.passes.contract import graph_pass, transformation
 from odeify.passes.fold_bn import FOLDS, FoldRecord, add_fold_record, fold_records, record_key
-from odeify.passes.graph_utils import fetch_attr, identity_sources, live_nodes, owner_of, unique_name
+from odeify.passes.glue import FieldGlue, GlueError, Segment, field_glues, run_end, run_members
+from odeify.passes.graph_utils import (
+    data_nodes,
+    fetch_attr,
+    identity_sources,
+    is_metadata_query,
+    live_nodes,
+    owner_of,
+    shape_nodes,
+    unique_name,
+)
 from odeify.passes.properties import BLOCKS, RUNS, STAGE_CALLS
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
 
@@ -104,8 +116,9 @@ def lift_runs(
             continue
         stage = make_stage(run, parts)
         _move_fold_records(gm, stage, parts, run.blocks[0].scope)
+        end = run_end(run, {n.name: n for n in gm.graph.nodes}).name
         call = _replace_run(gm, run, stage_attribute(run), stage)
-        renamed[run.blocks[-1].output] = call.name
+        renamed[end] = call.name
     folds = gm._modules.pop(FOLDS, None)  # the discrete layers' records: read by training, not the graph
     prune_unused_attributes(gm)
     if folds is not None:
@@ -133,41 +146,58 @@ def extract_split_run(gm: fx.GraphModule, run: Run) -> SplitParts:
     Sub-field i is extracted as the period-1 run of blocks i, i + p, i + 2p, ...; their forks read
     the other fields' outputs, so containment is checked for the whole run instead.
     """
-    if run.glue:
-        raise NotLiftable(
-            f"its periods of {run.period} sub-blocks are joined by layout nodes ({', '.join(run.glue)}), "
-            "which a split stage does not hold yet (Swin); its blocks stay as they are"
-        )
     p = run.period
-    subruns = [dataclasses.replace(run, blocks=run.blocks[i::p], period=1) for i in range(p)]
-    fields = tuple(extract_run(gm, sub, contained_in=run) for sub in subruns)
+    glues = _field_glues(gm, run)
+    subruns = [dataclasses.replace(run, blocks=run.blocks[i::p], period=1, glue=()) for i in range(p)]
+    fields = tuple(
+        extract_run(gm, sub, contained_in=run, glue=glue) for sub, glue in zip(subruns, glues, strict=True)
+    )
     return SplitParts(fields, tuple(sub.form for sub in subruns))
 
 
-def extract_run(gm: fx.GraphModule, run: Run, *, contained_in: Run | None = None) -> RunParts:
+def _field_glues(gm: fx.GraphModule, run: Run) -> list[FieldGlue | None]:
+    """Each sub-field's glue (:mod:`odeify.passes.glue`), None for all when the run has none."""
+    if not run.glue:
+        return [None] * run.period
+    try:
+        glues = field_glues(gm, run)
+    except GlueError as why:
+        raise NotLiftable(str(why)) from why
+    for glue, block in zip(glues, run.blocks[: run.period], strict=True):
+        if not glue.empty and (block.kind, block.form) != ("identity", "pre"):
+            raise NotLiftable(
+                f"the sub-block ending at '{block.join}' sees the state through layout nodes, which a "
+                f"template holds only for an identity block x + f(x), not a {block.kind} {block.form} one"
+            )
+    return [None if glue.empty else glue for glue in glues]
+
+
+def extract_run(
+    gm: fx.GraphModule, run: Run, *, contained_in: Run | None = None, glue: FieldGlue | None = None
+) -> RunParts:
     """Template graph, slots, stacked tensors and per-block module variants of one run.
 
     The blocks are walked in step over their core nodes (pass-through calls skipped, as the runs
     analysis compares them); each block's pass-through calls are put back on the edge they sit on.
     ``contained_in`` is the run whose nodes must not leak out (default ``run``; a split run's
-    sub-field is checked as the whole run).
+    sub-field is checked as the whole run). ``glue``: the layout nodes a split run's sub-field
+    applies around its sub-block (:mod:`odeify.passes.glue`). A period-1 run's glue between its
+    blocks needs none (each block sees the state's layout): it is only checked to be the identity.
     """
     if run.period > 1:
         raise NotLiftable(f"a run of period {run.period} is lifted by extract_split_run, not extract_run")
     if run.glue:
-        raise NotLiftable(
-            f"its blocks are joined by layout nodes ({', '.join(run.glue)}), which a stage template does "
-            "not hold yet; its blocks stay as they are"
-        )
+        _field_glues(gm, run)
     nodes = {n.name: n for n in gm.graph.nodes}
     modules = dict(gm.named_modules())
     outer = contained_in or run
     outer_members = {n.name for b in outer.blocks for n in block_node_list(b, nodes)}
+    outer_members = run_members(gm, outer, outer_members)
     _check_contained(outer, outer_members, nodes, live_nodes(gm.graph))
     cores = [core_nodes(b, nodes, modules) for b in run.blocks]
     if len({len(core) for core in cores}) != 1:
         raise NotLiftable("the blocks' graphs differ in size; they cannot share one template")
-    return _TemplateBuilder(gm, run, nodes, modules).build(cores)
+    return _TemplateBuilder(gm, run, nodes, modules, glue).build(cores)
 
 
 class _TemplateBuilder:
@@ -179,16 +209,24 @@ class _TemplateBuilder:
     """
 
     def __init__(
-        self, gm: fx.GraphModule, run: Run, nodes: dict[str, fx.Node], modules: dict[str, nn.Module]
+        self,
+        gm: fx.GraphModule,
+        run: Run,
+        nodes: dict[str, fx.Node],
+        modules: dict[str, nn.Module],
+        glue: FieldGlue | None = None,
     ):
-        self.gm, self.run, self.modules = gm, run, modules
+        self.gm, self.run, self.modules, self.glue = gm, run, modules, glue
         self.members = [{n.name for n in block_node_list(b, nodes)} for b in run.blocks]
         self.forks = [nodes[b.fork] for b in run.blocks]
         self.scopes = [b.scope for b in run.blocks]
         self.join = nodes[run.blocks[0].join]
+        self.shape_reads = shape_nodes(gm.graph, data_nodes(gm.graph)) if glue else set()
         self.graph = fx.Graph()
         self.x = self.graph.placeholder("x")
-        self.env: list[dict[fx.Node | tuple, object]] = [{fork: self.x} for fork in self.forks]
+        # with glue, x is the state where it has its own layout; glue maps it to the block's input
+        starts = glue.states if glue else [(fork,) for fork in self.forks]
+        self.env: list[dict[fx.Node | tuple, object]] = [dict.fromkeys(nodes, self.x) for nodes in starts]
         self.slots: list[Slot] = []
         self.tensors: dict[str, torch.Tensor] = {}
         self.slot_nodes: dict[str, fx.Node] = {}
@@ -200,12 +238,16 @@ class _TemplateBuilder:
         """The template: each core node of the first block, lifted with its peers in the others."""
         graph, run = self.graph, self.run
         branch_operand = None
+        if self.glue:
+            self.lift_glue(self.glue.into, self.x)
         for position, node in enumerate(cores[0]):
             peers = [core[position] for core in cores]
             if node is self.join:
                 shortcut = _shortcut_position(node, self.forks[0], self.modules)
                 branch = 1 - shortcut
                 branch_operand = self.lift_arg([p.args[branch] for p in peers], f"{node.name}.{branch}")
+                if self.glue:  # the update back in the state's layout (identity blocks only)
+                    branch_operand = self.lift_glue(self.glue.back, branch_operand)
                 # out of place, even for iadd; a scaled shortcut (x * s) is a node of the block
                 base = (
                     self.x
@@ -253,10 +295,51 @@ class _TemplateBuilder:
             self.variants[target.replace(".", "__")] = peer_modules
         return target
 
+    def lift_glue(self, segments: tuple[tuple[Segment, ...], ...], value: fx.Node) -> fx.Node:
+        """Apply one sub-field's glue segments (one tuple per block, all alike) to ``value``.
+
+        Each segment reads a sub-block's output in the network; here it reads ``value``, the state
+        or update the template holds. Glue nodes are named ``glue_<node>`` in the template.
+        """
+        for position in range(len(segments[0])):
+            peers = [blocks[position] for blocks in segments]
+            for e, segment in zip(self.env, peers, strict=True):
+                e[segment.source] = value
+            for depth, node in enumerate(peers[0].nodes):
+                values = [segment.nodes[depth] for segment in peers]
+                value = self._copy_in_step(values, f"glue_{node.name}")
+        return value
+
+    def _copy_in_step(self, values: list[fx.Node], name: str | None) -> fx.Node:
+        """One template node for the peer nodes ``values`` (a glue node or a shape read in every block);
+        ``name`` None: a shape read's (:meth:`_shape_read_name`)."""
+        first = values[0]
+        if any((v.op, v.target) != (first.op, first.target) for v in values):
+            raise NotLiftable(f"'{first.name}' and its peers in the other blocks compute different things")
+        args = self.lift_arg([v.args for v in values], first.name)
+        kwargs = self.lift_arg([v.kwargs for v in values], first.name)
+        name = name or self._shape_read_name(first)
+        new = self.graph.create_node(first.op, first.target, args, kwargs, name=name)
+        for e, v in zip(self.env, values, strict=True):
+            e[v] = new
+        return new
+
+    def _shape_read_name(self, node: fx.Node) -> str:
+        """``x_shape`` for ``x.shape``, ``x_shape_0`` for ``x.shape[0]``; else the node's own name."""
+        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if source is not None and source in self.env[0]:
+            if is_metadata_query(node) and node.op == "call_function":
+                return f"{self.env[0][source].name}_{node.args[1]}"
+            if node.target is operator.getitem and isinstance(node.args[1], int):
+                return f"{self.env[0][source].name}_{node.args[1]}"
+        return _local_name(node, self.scopes[0])
+
     def lift_node(self, values: list[fx.Node]):
         first, env = values[0], self.env
         if first in env[0]:
             return env[0][first]
+        if first.name in self.shape_reads:  # the glue's x.shape[0]: read on the template's state
+            return self._copy_in_step(values, None)
         if first.op == "get_attr":
             key = ("attr", first.name)
             if key not in env[0]:
@@ -390,9 +473,10 @@ def _check_contained(run: Run, members: set[str], nodes: dict[str, fx.Node], liv
     """Refuse a run whose nodes feed anything outside it but through its last output.
 
     Lifting erases the run's nodes and everything hanging off them; a live outside user (a feature
-    tap, glue between blocks) would be erased with them.
+    tap, glue between blocks) would be erased with them. The run's value leaves by its last block's
+    output, or by the glue after it (:func:`odeify.passes.glue.run_end`).
     """
-    last = run.blocks[-1].output
+    last = run_end(run, nodes).name
     for name in members - {last}:
         outside = [u.name for u in nodes[name].users if u.name not in members and u.name in live]
         if outside:
@@ -424,17 +508,33 @@ def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: StageIR) -
     nodes = {n.name: n for n in gm.graph.nodes}
     gm.add_submodule(attribute, stage)
     fork = nodes[run.blocks[0].fork]
-    last = nodes[run.blocks[-1].output]
+    last = run_end(run, nodes)
     with gm.graph.inserting_before(last):
         call = gm.graph.call_module(attribute, (fork,))
     tag(call, stage=run.name, role="stage")
     call.meta["tensor_meta"] = last.meta.get("tensor_meta")
     last.replace_all_uses_with(call)
-    doomed: list[fx.Node] = []
+    doomed: list[fx.Node] = [nodes[name] for name in run.glue]
     for block in run.blocks:
         doomed.extend(block_node_list(block, nodes))
     _erase_with_side_chains(gm.graph, doomed)
+    if run.glue:
+        _erase_unused_shape_reads(gm.graph, fork)
     return call
+
+
+def _erase_unused_shape_reads(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase the shape reads of ``node`` (``B, H, W, C = x.shape``) that only the erased glue used."""
+
+    def erase_if_unused(read: fx.Node) -> None:
+        for user in list(read.users):
+            if user.op == "call_function" and getattr(user.target, "__module__", "") == "_operator":
+                erase_if_unused(user)  # x.shape[0], H // 7: pure arithmetic on the read
+        if not read.users:
+            graph.erase_node(read)
+
+    for read in [user for user in node.users if is_metadata_query(user)]:
+        erase_if_unused(read)
 
 
 def _erase_with_side_chains(graph: fx.Graph, doomed: list[fx.Node]) -> None:

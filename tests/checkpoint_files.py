@@ -21,20 +21,31 @@ from torch import nn
 from odeify.models.timm_interface import default_input_size
 
 
-def train_checkpoint(model: nn.Module, folder: Path, arch: str, num_classes: int, epochs: int = 2) -> Path:
+def train_checkpoint(
+    model: nn.Module,
+    folder: Path,
+    arch: str,
+    num_classes: int,
+    epochs: int = 2,
+    model_kwargs: dict | None = None,
+    **args_set: object,
+) -> Path:
     """``model_best.pth.tar`` as timm's train.py writes it; the model's weights are left as they were.
 
     One optimizer step per epoch on random data makes ``state_dict`` and ``state_dict_ema`` differ.
-    ``args`` is an ``argparse.Namespace`` with the fields train.py records (model, num_classes, ...).
+    ``args`` is an ``argparse.Namespace`` with the fields train.py records (model, num_classes, ...;
+    ``model_kwargs``: what ``--model-kwargs`` records, the other build kwargs of ``model``), plus
+    ``args_set`` (e.g. ``img_size=32, hflip=0.0``).
     """
     folder.mkdir(parents=True, exist_ok=True)
     model = copy.deepcopy(model).train()
     optimizer = create_optimizer_v2(model, "adamw", lr=1e-2, weight_decay=0.05)
     ema = ModelEmaV3(model, decay=0.5)
     args = argparse.Namespace(
-        model=arch, num_classes=num_classes, in_chans=None, input_size=None, gp=None, model_kwargs={},
-        lr=1e-2, epochs=epochs, opt="adamw", sched="cosine", device="cpu", amp=False, data_dir="/data",
-        smoothing=0.1, decay_milestones=[90, 180], layer_decay=None, pretrained=False,
+        model=arch, num_classes=num_classes, in_chans=None, input_size=None, gp=None,
+        model_kwargs=dict(model_kwargs or {}), lr=1e-2, epochs=epochs, opt="adamw", sched="cosine",
+        device="cpu", amp=False, data_dir="/data", smoothing=0.1, decay_milestones=[90, 180],
+        layer_decay=None, pretrained=False, **args_set,
     )  # fmt: skip
     saver = CheckpointSaver(model, optimizer, args=args, model_ema=ema, checkpoint_dir=str(folder))
     generator = torch.Generator().manual_seed(0)

@@ -180,6 +180,64 @@ def test_build_kwargs_from_files_are_allowlisted(tmp_path: Path, r18: nn.Module)
         load_model(train)
 
 
+VIT = "vit_tiny_patch16_224"
+VIT_FILE_KWARGS = {
+    "img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 3, "mlp_ratio": 2.5,
+    "init_values": 1e-5, "reg_tokens": 1, "class_token": True, "no_embed_class": True, "qkv_bias": False,
+    "qk_norm": True, "pre_norm": True, "final_norm": False, "fc_norm": True, "pos_drop_rate": 0.1,
+    "patch_drop_rate": 0.1,
+}  # fmt: skip
+"""Every ViT build kwarg a file may carry, none at timm's default for vit_tiny_patch16_224."""
+
+
+def test_vit_build_kwargs_from_files_build_what_timm_builds(tmp_path: Path) -> None:
+    """A train.py checkpoint (``args.model_kwargs``) and a save_for_hf folder (``model_args``) of a
+    ViT built with every allowed ViT kwarg load as timm builds and loads them (issue 23)."""
+    model = make_test_model(VIT, num_classes=10, **VIT_FILE_KWARGS)
+    default = timm.create_model(VIT, num_classes=10).state_dict()
+    assert {k: v.shape for k, v in model.state_dict().items()} != {k: v.shape for k, v in default.items()}
+    train = train_checkpoint(model, tmp_path / "train", VIT, num_classes=10, model_kwargs=VIT_FILE_KWARGS)
+    folder = hf_folder(model, tmp_path / "hf")
+    oracle = timm.create_model(VIT, num_classes=10, **VIT_FILE_KWARGS)
+    load_checkpoint(oracle, str(train), use_ema=True)  # timm's own loader of the train.py form
+    for loaded, want in ((load_model(train, ema=True), oracle), (load_model(folder), model)):
+        assert type(loaded) is type(want) and loaded.state_dict().keys() == want.state_dict().keys()
+        assert all(torch.equal(v, want.state_dict()[k]) for k, v in loaded.state_dict().items())
+        assert _same_outputs(loaded, want)  # the same operations on the same weights: bit for bit
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"depth": 65}, "'depth' must be an integer in [1, 64]"),
+        ({"patch_size": 0}, "'patch_size' must be an integer or [H, W] in [1, 4096]"),
+        ({"patch_size": [8, 8, 8]}, "'patch_size' must be an integer or [H, W]"),
+        ({"embed_dim": 10**6}, "'embed_dim' must be an integer in [1, 4096]"),
+        ({"num_heads": 0}, "'num_heads' must be an integer in [1, 64]"),
+        ({"mlp_ratio": float("nan")}, "'mlp_ratio' must be a number in (0, 16]"),
+        ({"mlp_ratio": 1e9}, "'mlp_ratio' must be a number in (0, 16]"),
+        ({"init_values": -1.0}, "'init_values' must be null or a LayerScale init in (0, 1]"),
+        ({"reg_tokens": 10**6}, "'reg_tokens' must be an integer in [0, 16]"),
+        ({"class_token": "yes"}, "'class_token' must be true or false"),
+        ({"fc_norm": 1}, "'fc_norm' must be true, false or null"),
+        ({"embed_layer": "os.system"}, "'embed_layer' is not one odeify takes from a file"),
+    ],
+)
+def test_vit_build_kwargs_out_of_range_are_refused(tmp_path: Path, kwargs: dict, message: str) -> None:
+    model = make_test_model(VIT, num_classes=10, **VIT_FILE_KWARGS)
+    args = argparse.Namespace(model=VIT, num_classes=10, model_kwargs={**VIT_FILE_KWARGS, **kwargs})
+    torch.save({"state_dict": model.state_dict(), "arch": VIT, "args": args}, tmp_path / "t.pth.tar")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = {"architecture": VIT, "num_classes": 10, "model_args": {**VIT_FILE_KWARGS, **kwargs}}
+    (folder / "config.json").write_text(json.dumps(config))
+    plain_safetensors(model, folder / "model.safetensors")
+    for path in (tmp_path / "t.pth.tar", folder):
+        with pytest.raises(ModelLoadError) as info:
+            load_model(path)
+        assert message in str(info.value), str(info.value)
+
+
 def test_pretrained_offline_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     # as on a fresh machine
     monkeypatch.setattr(odeify.models.loading, "_cached_hub_weights", lambda repo: None)

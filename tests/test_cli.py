@@ -296,6 +296,18 @@ def test_inspect_code_shows_every_integrator(tmp_path: Path, capsys: pytest.Capt
     assert "ODE stages" in captured.err and "┃" not in captured.out  # the table went to stderr
 
 
+def test_inspect_code_shows_what_its_help_says(capsys: pytest.CaptureFixture[str]) -> None:
+    """--code's help: a backprop stage's steps are inlined in the model's code, nothing is listed after
+    it; a memory-free stage is listed after it (above). It once promised "every backward mode"."""
+    assert main(["inspect", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "in backward='backprop' is inlined" in help_text and "every backward mode" not in help_text
+    assert main(["inspect", "resnet18", *SMALL, "--code"]) == 0  # converted at native depth: backprop
+    out = capsys.readouterr().out
+    assert "self.layer1_ode.knots.conv1_weight" in out  # the stage's steps, in the model's forward
+    assert "# stage" not in out and "# segment" not in out
+
+
 def test_retarget_a_converted_file(
     converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

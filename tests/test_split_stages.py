@@ -12,6 +12,7 @@ figure below is on the CPU (2 shared cores, one torch thread).
 from __future__ import annotations
 
 import math
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -237,12 +238,13 @@ def test_reverse_steps_rebuild_the_state_with_more_steps(converted, x) -> None:
 
 
 def test_save_and_load_round_trip(vit, converted, x, tmp_path) -> None:
-    """The small ViT's width and depth are no kwargs a file may carry: load takes the architecture."""
+    """The small ViT's width and depth are kwargs a file may carry (issue 23): the file alone rebuilds it."""
     model = odeify.retarget(converted, integrator="strang", steps=3, knots=2, basis="linear")
     path = tmp_path / "vit.safetensors"
-    with pytest.warns(UserWarning, match="cannot rebuild this model's source by name"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot rebuild this model's source by name"
         odeify.save(model, path)
-    loaded = odeify.load(path, model=vit)
+    loaded = odeify.load(path)
     stage = _stage(loaded)
     assert (stage.integrator.name, stage.steps, stage.num_knots, stage.basis) == ("strang", 3, 2, "linear")
     with torch.no_grad():

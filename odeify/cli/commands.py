@@ -288,7 +288,7 @@ def _plot_weight_path(model: fx.GraphModule, name: str, path: Path) -> None:
 
 
 def _code_listing(model: fx.GraphModule) -> str:
-    """The converted model's Python, with each stage's integrator code in every backward mode."""
+    """The converted model's forward as Python: inlined stages in its code, the others' steps after it."""
     return odeify.model_code(model)
 
 
@@ -639,7 +639,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         model = for_training(loaded, settings.backward, **_manifestation(settings, without=("backward",)))
         finetune(
             model,
-            open_data(settings.data, model, _augmentation(settings)),
+            open_data(settings.data, model, _augmentation(settings, model)),
             recipe,
             out=out,
             resume=settings.resume,
@@ -658,9 +658,12 @@ def run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _augmentation(settings: argparse.Namespace):
-    """The training augmentation the flags ask for (timm's defaults for those not given), or None."""
-    from odeify.train.datasets import Augmentation
+def _augmentation(settings: argparse.Namespace, model: nn.Module):
+    """The training augmentation the flags ask for, or None (open_data's default) when none is given.
+
+    A setting not given is the one the model's file recorded for its source (train.py's ``args``),
+    else timm's default."""
+    from odeify.train.datasets import Augmentation, recorded_augmentation
 
     given = {k: getattr(settings, k) for k in AUGMENTATION_FLAGS if getattr(settings, k) is not None}
     if not given:
@@ -668,7 +671,7 @@ def _augmentation(settings: argparse.Namespace):
     for key in ("scale", "ratio"):
         if key in given:
             given[key] = tuple(given[key])
-    return Augmentation(**given)
+    return Augmentation(**{**recorded_augmentation(model), **given})
 
 
 _RECORDED_TYPES: dict[str, tuple[type, ...]] = {

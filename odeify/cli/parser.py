@@ -51,7 +51,7 @@ examples:
   odeify inspect resnet50 --dot resnet50.dot      # plan table + traced and converted Graphviz files
   odeify inspect resnet152 --input-size 3 160 160 --json
   odeify inspect digits_ode.safetensors           # a converted file: its stages and manifestation
-  odeify inspect digits_ode.safetensors --code > model.py   # model + each integrator, every backward
+  odeify inspect digits_ode.safetensors --code > model.py   # the forward, each stage's steps written out
   odeify inspect digits_ode.safetensors --plot path.png     # weight path over depth
 """,
     "convert": """\
@@ -211,8 +211,10 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
     inspect.add_argument(
         "--code",
         action="store_true",
-        help="print the converted model's Python, with each stage's integrator in every backward mode "
-        "(a MODEL is converted at native depth first)",
+        help="print the converted model's forward as Python: a stage in backward='backprop' is inlined "
+        "(its integrator steps are in the model's code), a stage in a memory-free mode is listed after "
+        "it with its unrolled steps (what backward re-runs), then each checkpointed segment (a MODEL "
+        "is converted at native depth first)",
     )
     inspect.add_argument(
         "--dot",

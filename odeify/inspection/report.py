@@ -120,17 +120,14 @@ def format_shape(shape: Sequence[int]) -> str:
 
 def format_plan_table(plan: Plan) -> Table:
     """The runs of blocks, one row per run: each becomes one ODE stage (a run of period p > 1 a split
-    stage of p sub-fields), except a run whose periods are joined by layout glue (Swin), which
-    ``convert`` leaves as it is."""
-    lifted = [run for run in plan.runs if not run.glue]
-    split = sum(run.period > 1 for run in lifted)
-    kept = len(plan.runs) - len(lifted)
+    stage of p sub-fields, the layout glue between its sub-blocks inside them: Swin)."""
+    runs = plan.runs
+    split = sum(run.period > 1 for run in runs)
     split_note = f" ({split} of them split stages)" if split else ""
-    kept_note = f"; {kept} runs with glue between sub-blocks stay as they are" if kept else ""
     table = Table(
         title=f"{_text(plan.model)}: runs of identity blocks (input {'x'.join(map(str, plan.input_shape))})",
-        caption=f"{len(lifted)} runs{split_note}, {sum(len(run.blocks) for run in lifted)} identity "
-        f"blocks become ODE stages{kept_note}; {len(plan.discrete)} blocks stay discrete",
+        caption=f"{len(runs)} runs{split_note}, {sum(len(run.blocks) for run in runs)} identity "
+        f"blocks become ODE stages; {len(plan.discrete)} blocks stay discrete",
     )
     for header, justify in (
         ("stage", "left"),

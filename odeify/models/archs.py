@@ -173,6 +173,17 @@ def _size(v: object) -> bool:
     return pair or _int(1, MAX_SIDE)(v)
 
 
+def _positive(hi: float) -> Callable[[object], bool]:
+    def check(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v <= hi
+
+    return check
+
+
+def _or_none(check: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda v: v is None or check(v)
+
+
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
@@ -209,6 +220,23 @@ _FILE_KWARGS: dict[str, tuple[Callable[[object], bool], str]] = {
     "act_layer": (_layer_name, "a timm layer name such as 'relu'"),
     "norm_layer": (_layer_name, "a timm layer name such as 'batchnorm2d'"),
     "attn_layer": (_layer_name, "a timm layer name such as 'se'"),
+    # the Vision Transformer family (ViT, DeiT, EVA, BEiT, CaiT): one stack of `depth` blocks
+    "patch_size": (_size, f"an integer or [H, W] in [1, {MAX_SIDE}]"),
+    "depth": (_int(1, 64), "an integer in [1, 64]"),
+    "embed_dim": (_int(1, 4096), "an integer in [1, 4096]"),
+    "num_heads": (_int(1, 64), "an integer in [1, 64]"),
+    "mlp_ratio": (_positive(16), "a number in (0, 16]"),
+    "init_values": (_or_none(_positive(1)), "null or a LayerScale init in (0, 1]"),
+    "reg_tokens": (_int(0, 16), "an integer in [0, 16]"),
+    "class_token": (_one_of(True, False), "true or false"),
+    "no_embed_class": (_one_of(True, False), "true or false"),
+    "qkv_bias": (_one_of(True, False), "true or false"),
+    "qk_norm": (_one_of(True, False), "true or false"),
+    "pre_norm": (_one_of(True, False), "true or false"),
+    "final_norm": (_one_of(True, False), "true or false"),
+    "fc_norm": (_one_of(True, False, None), "true, false or null"),
+    "pos_drop_rate": (_rate, "a rate in [0, 1)"),
+    "patch_drop_rate": (_rate, "a rate in [0, 1)"),
 }
 
 

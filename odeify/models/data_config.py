@@ -23,6 +23,7 @@ __all__ = [
     "DATA_CONFIG_KEYS",
     "INTERPOLATIONS",
     "TRAIN_ARGS_KEYS",
+    "TRAIN_AUGMENTATION_KEYS",
     "check_data_config",
     "data_config_entries",
     "train_args_data_config",
@@ -66,6 +67,45 @@ def _crop(v: object) -> bool:
     return _number(v) and 0 < v <= MAX_CROP  # type: ignore[operator]
 
 
+TRAIN_AUGMENTATION_KEYS = ("no_aug", "scale", "ratio", "hflip", "vflip", "color_jitter", "aa", "reprob")
+"""timm train.py's training-augmentation settings (its ``args`` names, which are
+``odeify.train.datasets.Augmentation``'s fields): a file that records them says how the source
+network was trained, and fine-tuning augments the same way unless told otherwise."""
+
+
+def _pair(lo: float, hi: float) -> Callable[[object], bool]:
+    return lambda v: (
+        isinstance(v, (list, tuple))
+        and len(v) == 2
+        and all(_number(x) for x in v)
+        and lo < v[0] <= v[1] <= hi
+    )
+
+
+def _fraction(v: object) -> bool:
+    return _number(v) and 0 <= v <= 1  # type: ignore[operator]
+
+
+_AUGMENTATION_CHECKS: dict[str, Callable[[object], bool]] = {
+    "no_aug": lambda v: isinstance(v, bool),
+    "scale": _pair(0, 1),
+    "ratio": _pair(0, 100),
+    "hflip": _fraction,
+    "vflip": _fraction,
+    "color_jitter": lambda v: _number(v) and 0 <= v <= 10,  # type: ignore[operator]
+    "aa": _text(100),
+    "reprob": _fraction,
+}
+
+
+def _train_augmentation(v: object) -> bool:
+    return (
+        isinstance(v, Mapping)
+        and set(v) <= set(_AUGMENTATION_CHECKS)
+        and all(_AUGMENTATION_CHECKS[k](x) for k, x in v.items())
+    )
+
+
 _ARCH = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
 
 _CHECKS: dict[str, tuple[type, Callable[[object], bool], str]] = {
@@ -90,6 +130,12 @@ _CHECKS: dict[str, tuple[type, Callable[[object], bool], str]] = {
         f"[H, W] in [1, {MAX_SIDE}]",
     ),  # fmt: skip
     "license": (str, _text(200), "a short text"),
+    "train_augmentation": (
+        dict,
+        _train_augmentation,
+        "train.py's augmentation settings: no_aug (true/false), scale [lo, hi] in (0, 1], ratio [lo, hi] "
+        "in (0, 100], hflip/vflip/reprob in [0, 1], color_jitter in [0, 10], aa (a policy name)",
+    ),
 }
 DATA_CONFIG_KEYS: dict[str, type] = {key: kind for key, (kind, _, _) in _CHECKS.items()}
 """The pretrained_cfg entries a file may carry (what timm.data and timm's heads read), with JSON types."""
@@ -107,6 +153,8 @@ def data_config_entries(cfg: Mapping[str, Any]) -> dict[str, Any]:
         value = cfg.get(key)
         if isinstance(value, tuple):
             value = list(value)
+        if isinstance(value, Mapping):  # train_augmentation: its pairs as lists, for JSON
+            value = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
@@ -166,7 +214,8 @@ def train_args_data_config(args: object, where: str) -> dict[str, Any]:
     As ``timm.data.resolve_data_config`` reads them: ``input_size`` (C, H, W) wins over ``img_size``
     (an int: C from ``in_chans``, else 3); ``mean``/``std`` of one entry apply to every channel;
     unset entries (None, an empty interpolation) are left out, so the architecture's own defaults
-    stay, as train.py's did. Each value is checked (:func:`check_data_config`).
+    stay, as train.py's did. The augmentation settings it trained with (:data:`TRAIN_AUGMENTATION_KEYS`)
+    become the entry ``train_augmentation``. Each value is checked (:func:`check_data_config`).
     """
     recorded = {key: getattr(args, key, None) for key in TRAIN_ARGS_KEYS}
     chans = recorded["in_chans"] if isinstance(recorded["in_chans"], int) else 3
@@ -188,6 +237,13 @@ def train_args_data_config(args: object, where: str) -> dict[str, Any]:
         cfg["interpolation"] = recorded["interpolation"]
     if recorded["crop_pct"]:
         cfg["crop_pct"] = recorded["crop_pct"]
+    augmentation = {
+        key: _as_list(getattr(args, key))
+        for key in TRAIN_AUGMENTATION_KEYS
+        if getattr(args, key, None) is not None
+    }
+    if augmentation:
+        cfg["train_augmentation"] = augmentation
     return check_data_config(cfg, f"{where} ('args')")
 
 

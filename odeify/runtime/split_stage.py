@@ -1,12 +1,14 @@
 """``SplitStage``: a run of transformer blocks as one stage of p sub-fields, dx/dt = F_1 + ... + F_p.
 
-A period-p run (a ViT block's attention and MLP halves: p = 2) has one template per sub-block
-and one knot stack per sub-field slot; all p fields share the stage's knot count, basis and
-times, so retargeting knots or basis refits every stack alike. Its integrator is a splitting
-scheme (:mod:`odeify.numerics.splitting`): ``lie_trotter`` (at native steps the network itself)
-or ``strang``. The code generator writes each sub-step with one writer per sub-field, through a
-:class:`FieldView` (a sub-field seen as a one-field stage). Checkpoint and reverse backward run
-the split step graphs like any stage's; ``reversible`` is refused (no reversible split scheme yet).
+A period-p run (a ViT block's attention and MLP halves: p = 2; Swin's unshifted attention, MLP,
+shifted attention, MLP: p = 4, each MLP template reshaping the (B, H, W, C) state to tokens and
+back) has one template per sub-block and one knot stack per sub-field slot; all p fields share the
+stage's knot count, basis and times, so retargeting knots or basis refits every stack alike. Its
+integrator is a splitting scheme (:mod:`odeify.numerics.splitting`): ``lie_trotter`` (at native
+steps the network itself) or ``strang``. The code generator writes each sub-step with one writer
+per sub-field, through a :class:`FieldView` (a sub-field seen as a one-field stage). Checkpoint
+and reverse backward run the split step graphs like any stage's; ``reversible`` is refused (no
+reversible split scheme yet).
 """
 
 from __future__ import annotations

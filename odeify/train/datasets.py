@@ -21,7 +21,8 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class LabelledData:
     train: Dataset
     val: Dataset
     num_classes: int
+    augmentation: str = "none"  # how the training split is augmented, and why (for the run's log)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,15 @@ class Augmentation:
     aa: str | None = None
     reprob: float = 0.0
 
+    def describe(self) -> str:
+        """The settings that differ from timm's defaults, as train.py flags ("--hflip 0"), or "defaults"."""
+        changed = [
+            f"--{name.replace('_', '-')}" + ("" if value is True else f" {_flag_value(value)}")
+            for name, value in asdict(self).items()
+            if value != getattr(Augmentation(), name)
+        ]
+        return " ".join(changed) or "defaults"
+
     def transform_kwargs(self) -> dict[str, Any]:
         """The arguments of ``timm.data.create_transform`` that say this augmentation."""
         return {
@@ -97,7 +108,8 @@ def open_data(
     spec: str | os.PathLike[str], model: nn.Module, augmentation: Augmentation | None = None
 ) -> LabelledData:
     """The data ``spec`` names (``"digits"`` or an ImageFolder path), prepared for ``model``'s input;
-    an image folder's training split with ``augmentation`` (default: timm's, :class:`Augmentation`)."""
+    an image folder's training split with ``augmentation``; by default, as the source network was
+    trained where its file recorded that (:func:`recorded_augmentation`), else timm's defaults."""
     if os.fspath(spec) == DIGITS:
         if augmentation is not None and augmentation != Augmentation():
             raise DataError(
@@ -106,7 +118,30 @@ def open_data(
                 "--data DIR."
             )
         return _digits(model)
-    return _image_folder(Path(spec).expanduser(), model, augmentation or Augmentation())
+    if augmentation is not None:
+        said = f"as given: {augmentation.describe()}"
+    elif recorded := recorded_augmentation(model):
+        augmentation = Augmentation(**recorded)
+        said = f"as the source was trained (its file records train.py's settings): {augmentation.describe()}"
+    else:
+        augmentation, said = Augmentation(), "timm's defaults"
+    return replace(_image_folder(Path(spec).expanduser(), model, augmentation), augmentation=said)
+
+
+def _flag_value(value: object) -> str:
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(_flag_value, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def recorded_augmentation(model: nn.Module) -> dict[str, Any]:
+    """The training augmentation ``model``'s file recorded for its source network (timm train.py's
+    ``args``, kept as the data config entry ``train_augmentation``), as Augmentation fields; {} if none."""
+    cfg = getattr(model, "pretrained_cfg", None)
+    recorded = cfg.get("train_augmentation") if isinstance(cfg, Mapping) else None
+    if not isinstance(recorded, Mapping):
+        return {}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}
 
 
 def _digits(model: nn.Module) -> LabelledData:

@@ -207,6 +207,8 @@ def finetune(
         loader, val_loader, batches = _loaders(data, recipe, seed, procs, workers, max_batches)
         if procs.is_main:
             LOGGER.info(header(model, procs))
+            if data.augmentation != "none":
+                LOGGER.info(f"training augmentation: {data.augmentation}")
         trainer = Trainer(model.to(procs.device), recipe, procs, batches * recipe.epochs, teacher)
         if resume:
             history = _resume(trainer, require_folder(folder), run, refine_epochs, started_from)
