@@ -333,6 +333,8 @@ def sweep(args: argparse.Namespace) -> None:
     args.cache.parent.mkdir(parents=True, exist_ok=True)
     work = args.cache.parent
 
+    sweep_command = command_line(__file__)  # recorded with each run: the report lists what made its runs
+
     def one(key: dict[str, Any]) -> None:
         command = [sys.executable, __file__, "--child", json.dumps(key), str(args.corpus), str(work)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -340,7 +342,7 @@ def sweep(args: argparse.Namespace) -> None:
         if out.returncode != 0:
             print(f"FAILED {key}: {out.stderr[-2000:]}", file=sys.stderr)
             return
-        entry = {"key": key, **json.loads(out.stdout.strip().splitlines()[-1])}
+        entry = {"key": key, "sweep": sweep_command, **json.loads(out.stdout.strip().splitlines()[-1])}
         with args.cache.open("a") as handle:  # one line per run, appended whole
             handle.write(json.dumps(entry) + "\n")
         print(f"{_label(key)}: {_change(entry)} ({entry['wall']:.0f} s)", file=sys.stderr)
@@ -405,6 +407,7 @@ def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None
         "# Fine-tuning recipe on the corpus of user-like models",
         "",
         f"Command: `{command_line(__file__)}`" + (f" ({seconds / 60:.0f} min)" if seconds else "") + "  ",
+        _made_by(entries) + "  ",
         f"Machine: {describe_machine()}",
         "",
         "Each run starts from the converted model in the column's manifestation and runs "
@@ -455,6 +458,16 @@ def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None
             ]
     lines += _cli_agreement(runs)
     return lines
+
+
+def _made_by(entries: list[dict[str, Any]]) -> str:
+    """The sweep commands that made the cached runs, as each run recorded it."""
+    commands = list(dict.fromkeys(e["sweep"] for e in entries if "sweep" in e))
+    unrecorded = sum("sweep" not in e for e in entries)
+    text = "Runs made by: " + (", ".join(f"`{c}`" for c in commands) or "-")
+    if unrecorded:
+        text += f"; {unrecorded} runs by earlier sweeps, which did not record their command"
+    return text
 
 
 def _sections(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], str | None]]:
