@@ -26,9 +26,13 @@ and the one-step check: one optimizer step of the recipe (``epochs=1, max_batche
 schedule is that step, at the peak learning rate) on the converted model at native depth. Every run
 reports validation accuracy before and after (the last epoch's model: the validation split selects
 nothing). Target: every run ends within 0.5 point of the source and never below its start; one
-step changes accuracy by less than 1 point. ``--via cli`` runs the same through
-``odeify finetune FILE --data DIR --out RUN`` plus the manifestation flags (FILE: the converted
-model, saved once, with the corpus's 32x32 data config for the timm models).
+step changes accuracy by less than 1 point. The image-folder models train with the augmentation
+the corpus was trained with (``--augmentation "as trained"``: train.py's ``--hflip 0``; digits are
+not mirror-symmetric) or timm's defaults (``"timm's defaults"``: the runs before this option).
+``--via cli`` runs the same through ``odeify finetune FILE --data DIR --out RUN`` plus the
+manifestation flags and nothing else: FILE is a digits model saved, or a timm model converted as a
+user converts train.py's output (``odeify convert model_best.pth.tar --ema -o FILE``), which
+records the input size and the training augmentation from the checkpoint's ``args``.
 
 Runs are cached, one JSON line each, in ``--cache`` (default out/finetune_bench/runs.jsonl): an
 interrupted sweep resumes where it stopped, and ``--report`` rewrites the results file from the
@@ -55,6 +59,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from corpus import TRAIN_PY_RECIPE
 from machine import command_line, describe_machine
 from tables import markdown_table
 
@@ -76,6 +81,14 @@ MANIFESTATIONS: dict[str, dict[str, Any]] = {
     "Strang, half steps": {"integrator": "strang", "steps": "x0.5", "backward": "checkpoint"},
 }
 CLI_FLAGS = {"integrator": "--integrator", "steps": "--steps", "knots": "--knots", "basis": "--basis"}
+AUGMENTATIONS = {
+    "as trained": {"hflip": float(TRAIN_PY_RECIPE["--hflip"])},
+    "timm's defaults": {},
+}
+"""The image-folder models' training augmentation, by label: the flags the corpus's train.py runs
+were trained with where they differ from timm's defaults (``--hflip 0``: digits are not
+mirror-symmetric), as a train.py user passes them again; or timm's defaults (flip half the images).
+The digits models train on tensors, unaugmented, under either."""
 
 
 def candidates() -> dict[str, Any]:
@@ -99,6 +112,13 @@ def candidates() -> dict[str, Any]:
         "lr 2e-4, half distillation": replace(before, lr=2e-4, distill=0.5),
         "lr 2e-4, no warm-up": replace(before, lr=2e-4, warmup=0.0),
         "lr 2e-4, warm-up 0.3": replace(before, lr=2e-4, warmup=0.3),
+        "lr 5e-4": replace(before, lr=5e-4),
+        "lr 3e-4, 6 epochs": replace(before, lr=3e-4, epochs=6),
+        "lr 5e-4, 6 epochs": replace(before, lr=5e-4, epochs=6),
+        "lr 3e-4, 10 epochs": replace(before, lr=3e-4, epochs=10),
+        "lr 3e-4, 6 epochs, EMA": replace(before, lr=3e-4, epochs=6, ema_decay=0.998),
+        "lr 3e-4, 6 epochs, temperature 1": replace(before, lr=3e-4, epochs=6, temperature=1.0),
+        "lr 3e-4, 6 epochs, labels only": replace(before, lr=3e-4, epochs=6, distill=0.0),
     }
 
 
@@ -106,11 +126,12 @@ def candidates() -> dict[str, Any]:
 # One run, in its own process
 
 
-def _native(model: str, corpus: Path):
-    """The converted model at native depth and its data; the timm models get their 32x32 data config."""
+def _native(model: str, corpus: Path, augmentation: str | None = None):
+    """The converted model at native depth and its data; the timm models get their 32x32 data config
+    and the training augmentation labelled ``augmentation`` (:data:`AUGMENTATIONS`)."""
     import odeify
     from odeify.models import DEFAULT_MODEL_PATH
-    from odeify.train.datasets import open_data
+    from odeify.train.datasets import Augmentation, open_data
 
     if model.startswith("digits"):
         path = DEFAULT_MODEL_PATH if model == "digits_seed0" else corpus / f"{model}.safetensors"
@@ -121,7 +142,8 @@ def _native(model: str, corpus: Path):
     native = odeify.convert(str(path), input_size=tuple(entry["data_config"]["input_size"]))
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["data_config"].items()}
     native.pretrained_cfg = {**native.pretrained_cfg, **config}  # issue 21: timm's 224 otherwise
-    return native, open_data(corpus / "digits_png", native), path
+    flags = AUGMENTATIONS[augmentation or "timm's defaults"]
+    return native, open_data(corpus / "digits_png", native, Augmentation(**flags)), path
 
 
 def _source_accuracy(model: str, corpus: Path) -> float:
@@ -140,7 +162,7 @@ def run_python(key: dict[str, Any], corpus: Path) -> dict[str, Any]:
     from odeify.train.finetune import Recipe, finetune
 
     recipe = Recipe(**key["recipe"])
-    native, data, _ = _native(key["model"], corpus)
+    native, data, _ = _native(key["model"], corpus, key["augmentation"])
     if key["manifestation"] == ONE_STEP:
         model, recipe, batches = native, replace(recipe, epochs=1), 1
     else:
@@ -151,6 +173,8 @@ def run_python(key: dict[str, Any], corpus: Path) -> dict[str, Any]:
 
 def run_cli(key: dict[str, Any], corpus: Path, work: Path) -> dict[str, Any]:
     """One run of ``odeify finetune FILE --data DIR --out RUN`` with the manifestation's flags."""
+    from odeify.train.datasets import Augmentation
+
     file, data = _cli_file(key["model"], corpus, work)
     run = work / "cli" / "_".join(str(key[k]) for k in ("model", "manifestation", "seed")).replace(" ", "")
     run = run.with_name(run.name.replace(",", "").replace(".", ""))
@@ -158,6 +182,8 @@ def run_cli(key: dict[str, Any], corpus: Path, work: Path) -> dict[str, Any]:
         subprocess.run(["rm", "-rf", str(run)], check=True)
     command = [sys.executable, "-m", "odeify", "finetune", str(file), "--data", data, "--out", str(run)]
     command += ["--seed", str(key["seed"])]
+    if key["augmentation"] == "timm's defaults":  # else the file's: train.py's --hflip 0, recorded
+        command += ["--hflip", f"{Augmentation().hflip:g}"]
     if key["recipe"]["batch_size"] != _default_recipe()["batch_size"]:
         command += ["--batch-size", str(key["recipe"]["batch_size"])]
     if key["manifestation"] == ONE_STEP:
@@ -171,17 +197,30 @@ def run_cli(key: dict[str, Any], corpus: Path, work: Path) -> dict[str, Any]:
 
 
 def _cli_file(model: str, corpus: Path, work: Path) -> tuple[Path, str]:
-    """The converted model the CLI runs start from (saved once) and its --data."""
+    """The converted model the CLI runs start from (made once) and its --data.
+
+    A timm model is converted as a user converts train.py's output: ``odeify convert
+    model_best.pth.tar --ema -o FILE`` (the EMA weights, which every corpus form holds; the input
+    size and the training augmentation from the checkpoint's ``args``). A digits model is the
+    Python runs' native model, saved.
+    """
     import odeify
     from odeify.core.fileio import atomic_path
 
     file = work / "files" / f"{model}.safetensors"
-    if not file.exists():
+    file.parent.mkdir(parents=True, exist_ok=True)
+    data = "digits" if model.startswith("digits") else str(corpus / "digits_png")
+    if file.exists():
+        return file, data
+    if model.startswith("digits"):
         native, _, _ = _native(model, corpus)
-        file.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(file) as tmp:
             odeify.save(native, tmp)
-    return file, ("digits" if model.startswith("digits") else str(corpus / "digits_png"))
+    else:
+        entry = json.loads((corpus / "corpus.json").read_text())["models"][model]
+        command = ["convert", str(corpus / entry["forms"]["train_py"]), "--ema", "-o", str(file)]
+        subprocess.run([sys.executable, "-m", "odeify", *command], check=True, stdout=subprocess.DEVNULL)
+    return file, data
 
 
 def _child(argv: list[str]) -> None:
@@ -205,8 +244,11 @@ def _child(argv: list[str]) -> None:
 # The sweep: which runs, the cache, two processes at a time
 
 
+KEY_PARTS = ("via", "model", "recipe", "augmentation", "manifestation", "seed")
+
+
 def _key(**parts: Any) -> dict[str, Any]:
-    return {k: parts.get(k) for k in ("via", "model", "recipe", "manifestation", "seed")}
+    return {k: parts.get(k) for k in KEY_PARTS}
 
 
 def _key_text(key: dict[str, Any]) -> str:
@@ -222,8 +264,26 @@ def read_cache(path: Path) -> dict[str, dict[str, Any]]:
                 entry = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            entry["key"] = _spelled_out(entry["key"])
             found[_key_text(entry["key"])] = entry
     return found
+
+
+def _spelled_out(key: dict[str, Any]) -> dict[str, Any]:
+    """``key`` with every part spelled out, so that runs cached before a part existed keep matching:
+    Recipe fields added later at their defaults (what those runs trained with), and the augmentation
+    those runs used (timm's defaults on an image folder, none on the digits tensors)."""
+    if key["recipe"] is None:
+        return _key(**key)
+    from odeify.train.finetune import Recipe
+
+    augmentation = key.get("augmentation", _default_augmentation(key["model"], "timm's defaults"))
+    return _key(**{**key, "recipe": asdict(Recipe(**key["recipe"])), "augmentation": augmentation})
+
+
+def _default_augmentation(model: str, label: str) -> str | None:
+    """``label`` for an image-folder model; None for a digits model (tensors, never augmented)."""
+    return None if model.startswith("digits") else label
 
 
 def _available_manifestations(model: str) -> list[str]:
@@ -252,6 +312,7 @@ def planned(args: argparse.Namespace) -> list[dict[str, Any]]:
         recipes = [replace(r, batch_size=args.batch_size) for r in recipes]
     recipes = [asdict(r) for r in recipes]
     keys = [_key(via="source", model=m) for m in args.models]
+    augmentation = args.augmentation
     wanted = args.manifestations or [ONE_STEP, *MANIFESTATIONS]
     for via in args.via:
         for recipe in recipes:
@@ -259,9 +320,9 @@ def planned(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for model in args.models:
                     runs = [m for m in [ONE_STEP, *_available_manifestations(model)] if m in wanted]
                     for manifestation in runs:
-                        keys.append(
-                            _key(via=via, model=model, recipe=recipe, manifestation=manifestation, seed=seed)
-                        )
+                        parts = {"via": via, "model": model, "recipe": recipe, "seed": seed}
+                        augmented = _default_augmentation(model, augmentation)
+                        keys.append(_key(**parts, manifestation=manifestation, augmentation=augmented))
     return list({_key_text(key): key for key in keys}.values())  # a candidate may equal the default
 
 
@@ -272,6 +333,8 @@ def sweep(args: argparse.Namespace) -> None:
     args.cache.parent.mkdir(parents=True, exist_ok=True)
     work = args.cache.parent
 
+    sweep_command = command_line(__file__)  # recorded with each run: the report lists what made its runs
+
     def one(key: dict[str, Any]) -> None:
         command = [sys.executable, __file__, "--child", json.dumps(key), str(args.corpus), str(work)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -279,7 +342,7 @@ def sweep(args: argparse.Namespace) -> None:
         if out.returncode != 0:
             print(f"FAILED {key}: {out.stderr[-2000:]}", file=sys.stderr)
             return
-        entry = {"key": key, **json.loads(out.stdout.strip().splitlines()[-1])}
+        entry = {"key": key, "sweep": sweep_command, **json.loads(out.stdout.strip().splitlines()[-1])}
         with args.cache.open("a") as handle:  # one line per run, appended whole
             handle.write(json.dumps(entry) + "\n")
         print(f"{_label(key)}: {_change(entry)} ({entry['wall']:.0f} s)", file=sys.stderr)
@@ -290,9 +353,7 @@ def sweep(args: argparse.Namespace) -> None:
 
 def _label(key: dict[str, Any]) -> str:
     parts = {**key, "recipe": recipe_label(key["recipe"]) if key["recipe"] else None}
-    return " | ".join(
-        str(parts[k]) for k in ("via", "model", "recipe", "manifestation", "seed") if parts[k] is not None
-    )
+    return " | ".join(str(parts[k]) for k in KEY_PARTS if parts[k] is not None)
 
 
 def recipe_label(recipe: dict[str, Any]) -> str:
@@ -346,6 +407,7 @@ def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None
         "# Fine-tuning recipe on the corpus of user-like models",
         "",
         f"Command: `{command_line(__file__)}`" + (f" ({seconds / 60:.0f} min)" if seconds else "") + "  ",
+        _made_by(entries) + "  ",
         f"Machine: {describe_machine()}",
         "",
         "Each run starts from the converted model in the column's manifestation and runs "
@@ -360,40 +422,66 @@ def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None
         + ".",
         "",
     ]
-    for via in ("python", "cli"):
-        recipes = list(dict.fromkeys(json.dumps(e["key"]["recipe"]) for e in runs if e["key"]["via"] == via))
-        for recipe in map(json.loads, recipes):
-            chosen = [e for e in runs if e["key"]["via"] == via and e["key"]["recipe"] == recipe]
-            seeds = sorted({e["key"]["seed"] for e in chosen})
-            met = sum(_meets(e, sources[e["key"]["model"]]) for e in chosen)
-            where = "Python API" if via == "python" else "command line"
-            lines += [f"## {recipe_label(recipe)} ({where}; seeds {', '.join(map(str, seeds))})", ""]
-            lines += [f"Recipe: `{_recipe_text(recipe)}`.", ""]
-            lines += [f"{met} of {len(chosen)} runs meet their target.", ""]
-            rows = []
-            for model in sources:
-                for seed in seeds:
-                    cells = []
-                    for column in columns:
-                        found = [e for e in chosen if e["key"]["model"] == model and e["key"]["seed"] == seed
-                                 and e["key"]["manifestation"] == column]  # fmt: skip
-                        if not found:
-                            cells.append("")
-                            continue
-                        text = _change(found[0])
-                        cells.append(text if _meets(found[0], sources[model]) else f"**{text}**")
-                    if any(cells):
-                        rows.append((model, str(seed), *cells))
-            lines += markdown_table(("model", "seed", *columns), rows, text_columns=2)
-            lines.append("")
-            times = [e["wall"] for e in chosen if e["key"]["manifestation"] != ONE_STEP]
-            if times:
-                lines += [
-                    f"Wall seconds per run: median {statistics.median(times):.0f}, max {max(times):.0f}.",
-                    "",
-                ]
+    for via, recipe, augmentation in _sections(runs):
+        chosen = [
+            e for e in runs if e["key"]["via"] == via and e["key"]["recipe"] == recipe
+            and e["key"]["augmentation"] in (augmentation, None)
+        ]  # fmt: skip
+        seeds = sorted({e["key"]["seed"] for e in chosen})
+        met = sum(_meets(e, sources[e["key"]["model"]]) for e in chosen)
+        where = "Python API" if via == "python" else "command line"
+        lines += [f"## {recipe_label(recipe)} ({where}; seeds {', '.join(map(str, seeds))})", ""]
+        aug = augmentation or "none"
+        lines += [f"Recipe: `{_recipe_text(recipe)}`; image-folder augmentation: {aug}.", ""]
+        lines += [f"{met} of {len(chosen)} runs meet their target.", ""]
+        rows = []
+        for model in sources:
+            for seed in seeds:
+                cells = []
+                for column in columns:
+                    found = [e for e in chosen if e["key"]["model"] == model and e["key"]["seed"] == seed
+                             and e["key"]["manifestation"] == column]  # fmt: skip
+                    if not found:
+                        cells.append("")
+                        continue
+                    text = _change(found[0])
+                    cells.append(text if _meets(found[0], sources[model]) else f"**{text}**")
+                if any(cells):
+                    rows.append((model, str(seed), *cells))
+        lines += markdown_table(("model", "seed", *columns), rows, text_columns=2)
+        lines.append("")
+        times = [e["wall"] for e in chosen if e["key"]["manifestation"] != ONE_STEP]
+        if times:
+            lines += [
+                f"Wall seconds per run: median {statistics.median(times):.0f}, max {max(times):.0f}.",
+                "",
+            ]
     lines += _cli_agreement(runs)
     return lines
+
+
+def _made_by(entries: list[dict[str, Any]]) -> str:
+    """The sweep commands that made the cached runs, as each run recorded it."""
+    commands = list(dict.fromkeys(e["sweep"] for e in entries if "sweep" in e))
+    unrecorded = sum("sweep" not in e for e in entries)
+    text = "Runs made by: " + (", ".join(f"`{c}`" for c in commands) or "-")
+    if unrecorded:
+        text += f"; {unrecorded} runs by earlier sweeps, which did not record their command"
+    return text
+
+
+def _sections(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], str | None]]:
+    """The report's sections: (via, recipe, image-folder augmentation), Python's first. The digits
+    runs (never augmented) join every section of their via and recipe; alone, they make their own."""
+    found = {}
+    for entry in runs:
+        key = entry["key"]
+        part = (key["via"], key["recipe"], key["augmentation"])
+        found.setdefault(json.dumps(part, sort_keys=True), part)
+    sections = list(found.values())
+    augmented = {(via, json.dumps(recipe)) for via, recipe, augmentation in sections if augmentation}
+    sections = [s for s in sections if s[2] or (s[0], json.dumps(s[1])) not in augmented]
+    return sorted(sections, key=lambda section: section[0] != "python")
 
 
 def _recipe_text(recipe: dict[str, Any]) -> str:
@@ -441,6 +529,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=4, help="seeds 0..N-1 (default 4)")
     parser.add_argument("--via", type=lambda s: s.split(","), default=["python"], help="python, cli or both")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one torch thread each")
+    parser.add_argument(
+        "--augmentation",
+        choices=list(AUGMENTATIONS),
+        default="as trained",
+        help="the image-folder models' training augmentation (default: as the corpus was trained, --hflip 0)",
+    )
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--cache", type=Path, default=CACHE)
     parser.add_argument("--output", type=Path, default=RESULTS / "finetune.md")

@@ -595,7 +595,7 @@ def _warmup(args: argparse.Namespace, settings: argparse.Namespace) -> float | N
     return args.warmup_epochs / epochs
 
 
-DEFAULT_EPOCHS = 3  # the recipe's (odeify.train.recipe.DEFAULT_RECIPE.epochs); checked by a test
+DEFAULT_EPOCHS = 6  # the recipe's (odeify.train.recipe.DEFAULT_RECIPE.epochs); checked by a test
 
 
 def run_finetune(args: argparse.Namespace) -> int:

@@ -348,7 +348,9 @@ MODEL_EMA_DECAY = 0.9998  # timm train.py's --model-ema-decay default
 def _add_training_flags(finetune: argparse.ArgumentParser) -> None:
     """The optimizer, schedule, clipping and precision flags of a fine-tuning run (timm's names)."""
     group = finetune.add_argument_group("optimizer, schedule and precision (timm train.py's names)")
-    group.add_argument("--epochs", type=arg.positive_int, help="epochs (default: the recipe's, 3)")
+    group.add_argument(
+        "--epochs", type=arg.positive_int, help=f"epochs (default: the recipe's, {DEFAULT_RECIPE.epochs})"
+    )
     group.add_argument(
         "--lr",
         type=arg.positive_float,
