@@ -91,7 +91,10 @@ def test_timm_spellings_parse_to_odeify_settings() -> None:
     [
         (["--sched", "step"], "invalid choice: 'step'"),
         (["--amp-dtype", "bfloat16", "--data", "digits"], "pass --amp too"),
-        (["--warmup-epochs", "3", "--data", "digits"], "must be below the run's 3 epochs"),
+        (
+            ["--warmup-epochs", str(DEFAULT_RECIPE.epochs), "--data", "digits"],
+            f"must be below the run's {DEFAULT_RECIPE.epochs} epochs",
+        ),
         (["--device", "cuda:7", "--data", "digits"], "CUDA device(s)"),
         (["--hflip", "0", "--data", "digits"], "apply to an image folder"),
         (["--model-emma"], "did you mean --model-ema?"),
