@@ -29,6 +29,10 @@ graphs, allocates the gradients), one measured step, ``--repeats`` timed steps. 
 - fallbacks: backward passes that could not stay memory-free (reverse: reconstruction failed;
   reversible: the state could not be kept exactly), out of all passes the process ran.
 
+``--models vit_small_patch16_224`` (issue 23) adds a ViT: its 12 blocks become one split stage
+(attention and MLP sub-fields, Lie-Trotter); timm's rows, backprop, checkpoint and reverse run, the
+reversible rows do not (split stages refuse them).
+
 ``--profile`` adds where the time goes: one more step of some rows under ``torch.profiler``.
 Writes benchmarks/results/train_step.md and .png.
 """
@@ -64,6 +68,12 @@ from odeify.passes.segments import has_segments
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ["resnet50", "resnet152"]
+VIT = "vit_small_patch16_224"
+MODEL_CHOICES = [*MODELS, VIT]
+SPLIT_MODELS = (VIT,)
+"""Models whose runs become split stages (a ViT's attention and MLP halves, issue 23): Euler means
+Lie-Trotter there (the network at native steps), and ``reversible`` is refused, so their reversible
+rows are not run; their memory-free rows are checkpoint and reverse."""
 STEPS = ["native", "x4"]
 BATCH, SIZE, CLASSES = 8, 224, 1000
 MB = 2**20
@@ -274,6 +284,8 @@ def configurations(
     for model in models:
         for row in rows:
             for s in steps if ROWS[row].integrator else ["native"]:
+                if model in SPLIT_MODELS and row in REVERSIBLE_ROWS:
+                    continue
                 if s == "native" or every_deep or model == MODELS[0] or row in FLAT_ROWS:
                     chosen.append((model, row, s))
     return chosen
@@ -351,6 +363,7 @@ def targets(results: list[Result]) -> list[str]:
                     f"{mine.cpu_time / plain.cpu_time:.2f}x; target <= {limit}x: {verdict(ratio <= limit)})"
                 )
     lines += _alf_against_heun(find)
+    lines += _split_stage_rows(find)
     errors = [r.grad_error for r in results if "reversible" in r.row and not math.isnan(r.grad_error)]
     if errors:
         lines.append(
@@ -363,6 +376,23 @@ def targets(results: list[Result]) -> list[str]:
                 f"{r.model}, {r.row}: gradients {r.truth_error:.1e} from fp64 backprop, fp32 backprop "
                 f"{r.backprop_truth_error:.1e} (ratio {ratio:.2f})"
             )
+    return lines
+
+
+def _split_stage_rows(find) -> list[str]:
+    """Issue 23's ViT rows: each memory-free row's saved bytes and step time beside both timm rows."""
+    lines = []
+    for model in SPLIT_MODELS:
+        plain, checkpointed = find(model, "timm"), find(model, "timm + grad checkpointing")
+        for row in ("odeify backprop", "odeify checkpoint", "odeify reverse"):
+            mine = find(model, row)
+            if mine and plain and checkpointed:
+                lines.append(
+                    f"{model}, {row} (split stages): saves {mine.saved / MB:.0f} MiB, timm "
+                    f"{plain.saved / MB:.0f}, timm's checkpointing {checkpointed.saved / MB:.0f}; step time "
+                    f"{mine.time / plain.time:.2f}x timm plain (CPU {mine.cpu_time / plain.cpu_time:.2f}x), "
+                    f"timm's checkpointing {checkpointed.time / plain.time:.2f}x"
+                )
     return lines
 
 
@@ -521,7 +551,13 @@ def plot(results: list[Result], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=MODELS, help="models to run")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=MODEL_CHOICES,
+        default=MODELS,
+        help=f"models to run (default: the ResNets; {VIT}: the ViT of issue 23)",
+    )
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="ways to train")
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS, help="manifestations")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps at native steps (median)")
@@ -534,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="add a profile of resnet50's native rows")
     parser.add_argument("--output", type=Path, default=RESULTS / "train_step.md", help="Markdown record")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=MODEL_CHOICES, help=argparse.SUPPRESS)
     parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
