@@ -119,6 +119,7 @@ def candidates() -> dict[str, Any]:
         "lr 3e-4, 6 epochs, EMA": replace(before, lr=3e-4, epochs=6, ema_decay=0.998),
         "lr 3e-4, 6 epochs, temperature 1": replace(before, lr=3e-4, epochs=6, temperature=1.0),
         "lr 3e-4, 6 epochs, labels only": replace(before, lr=3e-4, epochs=6, distill=0.0),
+        "lr 3e-4, 6 epochs, AdamW eps 1e-6": replace(before, lr=3e-4, epochs=6, opt_eps=1e-6),
     }
 
 

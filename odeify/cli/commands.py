@@ -560,7 +560,7 @@ RECORDED = (*RECORDED, *AUGMENTATION_FLAGS)
 
 RECIPE_FLAGS = (
     "epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay", "optimizer", "label_smoothing",
-    "clip_grad_norm", "amp", "channels_last", "mixup", "cutmix", "warmup",
+    "clip_grad_norm", "amp", "channels_last", "mixup", "cutmix", "warmup", "opt_eps",
 )  # fmt: skip
 """The command-line settings that are Recipe fields (argparse dests named as the fields)."""
 

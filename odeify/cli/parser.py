@@ -362,6 +362,10 @@ def _add_training_flags(finetune: argparse.ArgumentParser) -> None:
         help="timm optimizer name for create_optimizer_v2 (default: the recipe's, adamw)",
     )  # fmt: skip
     group.add_argument(
+        "--opt-eps", dest="opt_eps", type=arg.positive_float, metavar="EPSILON",
+        help="optimizer epsilon (default: the optimizer's own, AdamW's 1e-8)",
+    )  # fmt: skip
+    group.add_argument(
         "--sched", choices=["cosine"],
         help="learning-rate schedule: cosine, per step after a linear warm-up (the only one odeify runs)",
     )  # fmt: skip

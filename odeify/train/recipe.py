@@ -43,6 +43,10 @@ class Recipe:
     step whose scaled gradients overflow, as timm does), ``None`` in full precision;
     ``channels_last`` trains with the model and batches in channels-last memory format.
     ``mixup``/``cutmix``: timm's ``Mixup`` alphas (0: off), trained on soft targets.
+    ``opt_eps``: the optimizer's epsilon (timm's ``--opt-eps``; None: the optimizer's own, AdamW's
+    1e-8). A model that already computes its teacher's function has a vanishing distillation
+    gradient, which Adam divides by its own size and turns into steps of about the learning rate;
+    a larger epsilon (1e-6) leaves such a model where it is (docs/finetuning.md).
     """
 
     epochs: int = 6
@@ -60,6 +64,7 @@ class Recipe:
     channels_last: bool = False
     mixup: float = 0.0
     cutmix: float = 0.0
+    opt_eps: float | None = None
 
     @property
     def ema(self) -> bool:
@@ -81,6 +86,7 @@ class Recipe:
             "amp": self.amp in AMP_DTYPES,
             "mixup": math.isfinite(self.mixup) and self.mixup >= 0,
             "cutmix": math.isfinite(self.cutmix) and self.cutmix >= 0,
+            "opt_eps": self.opt_eps is None or (math.isfinite(self.opt_eps) and self.opt_eps > 0),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -89,7 +95,8 @@ class Recipe:
                 f"invalid fine-tuning setting(s): {got}. epochs and batch_size must be positive integers, "
                 "lr a positive number, warmup in [0, 1), weight_decay >= 0, label_smoothing in [0, 1), "
                 "clip_grad_norm positive or None, distill in [0, 1], temperature positive, ema_decay in "
-                "[0, 1) or None, amp None, 'bfloat16' or 'float16', mixup and cutmix >= 0."
+                "[0, 1) or None, amp None, 'bfloat16' or 'float16', mixup and cutmix >= 0, opt_eps positive "
+                "or None."
             )
 
 

@@ -88,8 +88,9 @@ class Trainer:
 
         recipe = self.recipe
         groups, trained = param_groups(self.model, self.sources, recipe.weight_decay)
+        eps = {} if recipe.opt_eps is None else {"eps": recipe.opt_eps}  # timm drops it where unused
         optimizer = create_optimizer_v2(
-            groups, recipe.optimizer, lr=recipe.lr, weight_decay=recipe.weight_decay
+            groups, recipe.optimizer, lr=recipe.lr, weight_decay=recipe.weight_decay, **eps
         )
         return optimizer, trained
 
