@@ -313,17 +313,16 @@ def planned(args: argparse.Namespace) -> list[dict[str, Any]]:
         recipes = [replace(r, batch_size=args.batch_size) for r in recipes]
     recipes = [asdict(r) for r in recipes]
     keys = [_key(via="source", model=m) for m in args.models]
-    augmentation = args.augmentation
     wanted = args.manifestations or [ONE_STEP, *MANIFESTATIONS]
     for via in args.via:
         for recipe in recipes:
             for seed in range(args.seeds):
                 for model in args.models:
                     runs = [m for m in [ONE_STEP, *_available_manifestations(model)] if m in wanted]
+                    augmentation = _default_augmentation(model, args.augmentation)
+                    parts = {"via": via, "model": model, "recipe": recipe, "seed": seed}
                     for manifestation in runs:
-                        parts = {"via": via, "model": model, "recipe": recipe, "seed": seed}
-                        augmented = _default_augmentation(model, augmentation)
-                        keys.append(_key(**parts, manifestation=manifestation, augmentation=augmented))
+                        keys.append(_key(**parts, manifestation=manifestation, augmentation=augmentation))
     return list({_key_text(key): key for key in keys}.values())  # a candidate may equal the default
 
 

@@ -28,6 +28,7 @@ from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes, read_header
 from odeify.core.paths import MODEL_SUFFIX, output_file, output_folder, same_file
 from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
 
 VERIFY_SEED = 0
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
@@ -555,7 +556,7 @@ RECORDED = (
 )
 
 
-AUGMENTATION_FLAGS = ("no_aug", "scale", "ratio", "hflip", "vflip", "color_jitter", "aa", "reprob")
+AUGMENTATION_FLAGS = TRAIN_AUGMENTATION_KEYS  # timm train.py's names, argparse dests and Augmentation fields
 RECORDED = (*RECORDED, *AUGMENTATION_FLAGS)
 
 RECIPE_FLAGS = (

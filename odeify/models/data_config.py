@@ -67,12 +67,6 @@ def _crop(v: object) -> bool:
     return _number(v) and 0 < v <= MAX_CROP  # type: ignore[operator]
 
 
-TRAIN_AUGMENTATION_KEYS = ("no_aug", "scale", "ratio", "hflip", "vflip", "color_jitter", "aa", "reprob")
-"""timm train.py's training-augmentation settings (its ``args`` names, which are
-``odeify.train.datasets.Augmentation``'s fields): a file that records them says how the source
-network was trained, and fine-tuning augments the same way unless told otherwise."""
-
-
 def _pair(lo: float, hi: float) -> Callable[[object], bool]:
     return lambda v: (
         isinstance(v, (list, tuple))
@@ -96,6 +90,10 @@ _AUGMENTATION_CHECKS: dict[str, Callable[[object], bool]] = {
     "aa": _text(100),
     "reprob": _fraction,
 }
+TRAIN_AUGMENTATION_KEYS = tuple(_AUGMENTATION_CHECKS)
+"""timm train.py's training-augmentation settings (its ``args`` names, which are
+``odeify.train.datasets.Augmentation``'s fields): a file that records them says how the source
+network was trained, and fine-tuning augments the same way unless told otherwise."""
 
 
 def _train_augmentation(v: object) -> bool:

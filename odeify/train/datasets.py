@@ -88,10 +88,11 @@ class Augmentation:
 
     def describe(self) -> str:
         """The settings that differ from timm's defaults, as train.py flags ("--hflip 0"), or "defaults"."""
+        defaults = asdict(Augmentation())
         changed = [
             f"--{name.replace('_', '-')}" + ("" if value is True else f" {_flag_value(value)}")
             for name, value in asdict(self).items()
-            if value != getattr(Augmentation(), name)
+            if value != defaults[name]
         ]
         return " ".join(changed) or "defaults"
 
