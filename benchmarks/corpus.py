@@ -90,7 +90,7 @@ TIMM_MODELS: dict[str, Flags] = {  # corpus name: the train.py flags that choose
     "vit6": {  # a 6-block ViT-Tiny on 4x4 patches of 8x8 pixels; a ViT from scratch needs more epochs
         "--model": "vit_tiny_patch16_224",
         "--model-kwargs": ("img_size=32", "patch_size=8", "depth=6"),
-        "--epochs": "30",
+        "--epochs": "100",  # 30 left it underfit: 84.7%, training loss 1.31 and still falling
     },
 }
 DIGITS_SEEDS = (0, 1, 2)

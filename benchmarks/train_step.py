@@ -17,8 +17,9 @@ graphs, allocates the gradients), one measured step, ``--repeats`` timed steps. 
   excluded (``benchmarks/memory.py``);
 - RSS growth: the process's peak resident memory during the measured step over its resident
   memory before it;
-- step time: median wall time of the timed steps, as a ratio to timm plain on the same model in
-  the same run (and the same for process CPU time, less sensitive to a busy machine);
+- step time: median wall time of the timed steps (spread: the fastest and the slowest of them), as
+  a ratio to timm plain on the same model in the same run (and the same for process CPU time, less
+  sensitive to a busy machine);
 - grad err: relative error of all parameter gradients (one vector) against backprop of the same
   manifestation (same integrator, basis and steps), computed in the same process after timing;
 - fp32 band (reversible rows, native steps): that backprop run on one thread against itself on
@@ -294,7 +295,7 @@ def configurations(
 # -- reporting ------------------------------------------------------------------------------------
 HEADERS = (
     "model", "row", "steps", "saved MiB", "saved vs timm", "RSS growth MiB", "step s",
-    "time vs timm", "CPU time vs timm", "grad err", "fp32 band", "vs fp64", "backprop vs fp64",
+    "spread s", "time vs timm", "CPU time vs timm", "grad err", "fp32 band", "vs fp64", "backprop vs fp64",
     "fallbacks",
 )  # fmt: skip
 
@@ -312,7 +313,8 @@ def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
         f"{r.saved / MB:.0f}",
         f"{r.saved / base.saved:.2f}",
         f"{r.rss_growth / MB:.0f}",
-        f"{r.time:.1f}",
+        f"{r.time:.2f}",
+        f"{min(r.times):.2f}..{max(r.times):.2f}",
         f"{r.time / base.time:.2f}x",
         f"{r.cpu_time / base.cpu_time:.2f}x",
         "-" if math.isnan(r.grad_error) else f"{r.grad_error:.1e}",
