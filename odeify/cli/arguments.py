@@ -123,7 +123,10 @@ def manifestation_arguments(
         "exact; alf, reversible_heun)"
     )
     if finetuning:
-        backward_help += "; default: reversible for alf and reversible_heun, checkpoint otherwise"
+        backward_help += (
+            "; default: a model as converted, given no manifestation flag, trains as --integrator alf "
+            "--backward reversible; else reversible for alf and reversible_heun, checkpoint otherwise"
+        )
     group.add_argument(
         "--backward",
         choices=BACKWARD_MODES,
