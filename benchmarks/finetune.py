@@ -120,6 +120,8 @@ def candidates() -> dict[str, Any]:
         "lr 3e-4, 6 epochs, temperature 1": replace(before, lr=3e-4, epochs=6, temperature=1.0),
         "lr 3e-4, 6 epochs, labels only": replace(before, lr=3e-4, epochs=6, distill=0.0),
         "lr 3e-4, 6 epochs, AdamW eps 1e-6": replace(before, lr=3e-4, epochs=6, opt_eps=1e-6),
+        "lr 1e-3, 6 epochs": replace(before, lr=1e-3, epochs=6),  # the ViT (issue 23)
+        "lr 3e-4, 20 epochs": replace(before, lr=3e-4, epochs=20),
     }
 
 
