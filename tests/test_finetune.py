@@ -513,7 +513,8 @@ def test_training_defaults_to_a_memory_free_mode_per_integrator(native: torch.nn
 
 def test_a_model_as_converted_trains_alf_reversible_unless_asked() -> None:
     """Nothing asked for, the source's manifestation trains memory-free and exact (ALF, reversible);
-    any manifestation setting or backward mode given keeps the old rule (Euler trains checkpoint)."""
+    any manifestation setting or backward mode given, or a run that cannot rebuild exactly (autocast),
+    keeps the old rule (Euler trains checkpoint)."""
     from odeify.compiler.conversion import converted_stages
     from odeify.train.manifestations import at_source_manifestation, for_training
 
@@ -526,6 +527,7 @@ def test_a_model_as_converted_trains_alf_reversible_unless_asked() -> None:
     assert shape(for_training(native, steps=1)) == [("euler", "checkpoint", 1)] * 2
     euler = [("euler", "checkpoint", 4), ("euler", "checkpoint", 3)]
     assert shape(for_training(native, "checkpoint")) == euler
+    assert shape(for_training(native, rebuilds_exactly=False)) == euler  # e.g. autocast
     coarse = odeify.retarget(native, steps=1)
     assert not at_source_manifestation(coarse)
     assert shape(for_training(coarse)) == [("euler", "checkpoint", 1)] * 2

@@ -125,7 +125,8 @@ def manifestation_arguments(
     if finetuning:
         backward_help += (
             "; default: a model as converted, given no manifestation flag, trains as --integrator alf "
-            "--backward reversible; else reversible for alf and reversible_heun, checkpoint otherwise"
+            "--backward reversible (not with --amp, nor on a GPU without --deterministic); else "
+            "reversible for alf and reversible_heun, checkpoint otherwise"
         )
     group.add_argument(
         "--backward",

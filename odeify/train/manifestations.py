@@ -45,16 +45,24 @@ fine-tuned from there with the default recipe, 21 of 24 corpus runs meet the fin
 most of any coarse manifestation measured (docs/finetuning.md)."""
 
 
-def for_training(model: fx.GraphModule, backward: str | Mapping[str, str] | None = None, **settings: Any):
+def for_training(
+    model: fx.GraphModule,
+    backward: str | Mapping[str, str] | None = None,
+    *,
+    rebuilds_exactly: bool = True,
+    **settings: Any,
+):
     """``model`` retargeted by ``settings`` (integrator, steps, knots, basis) to train with ``backward``.
 
     With nothing asked for, a model at its source's manifestation (:func:`at_source_manifestation`)
     trains as :data:`MEMORY_FREE_DEFAULT` where every stage takes it (the run's first log line shows
-    each stage's manifestation). Otherwise, without ``backward``, every stage gets the mode of
-    :func:`memory_free_backward`.
+    each stage's manifestation), if the run ``rebuilds_exactly``: False under autocast, which the
+    lattice does not run, and on a GPU without deterministic kernels, whose re-runs may return other
+    bits. Otherwise, without ``backward``, every stage gets the mode of :func:`memory_free_backward`.
     """
     if (
         backward is None
+        and rebuilds_exactly
         and not any(v is not None for v in settings.values())
         and at_source_manifestation(model)
     ):
