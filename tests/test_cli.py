@@ -575,3 +575,35 @@ def test_demo_writes_its_report(tmp_path: Path) -> None:
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)
     assert len(images) == 5 and all((tmp_path / name).read_bytes().startswith(PNG) for name in images)
     assert odeify.load(tmp_path / "finetune" / "best.safetensors") is not None
+
+
+def test_model_kwargs_build_a_bare_state_dicts_architecture(tmp_path: Path) -> None:
+    """--model-kwargs (timm train.py's flag) builds the architecture a bare safetensors file needs:
+    a 2-block ViT at 32x32 with 8x8 patches, converted and equal to timm's eager model in float64."""
+    import safetensors.torch
+
+    from odeify.models._testing import make_test_model
+
+    kwargs = {"img_size": 32, "patch_size": 8, "depth": 2, "num_classes": 10}
+    source = make_test_model("vit_tiny_patch16_224", **kwargs)  # LayerNorm affines randomised
+    weights = tmp_path / "vit.safetensors"
+    safetensors.torch.save_file(source.state_dict(), str(weights))
+    out = tmp_path / "vit_ode.safetensors"
+    argv = ["convert", str(weights), "--arch", "vit_tiny_patch16_224", "--img-size", "32", "-o", str(out)]
+    assert main([*argv, "--model-kwargs", "img_size=32", "patch_size=8", "depth=2"]) == 0
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        got, want = as_float64(odeify.load(out))(x), as_float64(source)(x)
+    assert (got - want).norm() / want.norm() < 1e-12  # measured 0: native Lie-Trotter is the network
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [(["depth"], "KEY=VALUE"), (["num_classes=3"], "--num-classes"), (["depth=2", "depth=3"], "twice")],
+)
+def test_bad_model_kwargs_exit_2_naming_the_fix(
+    items: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["convert", "vit_tiny_patch16_224", "-o", str(tmp_path / "x.safetensors"), "--model-kwargs"]
+    assert main([*argv, *items]) == 2
+    assert message in capsys.readouterr().err

@@ -37,6 +37,14 @@ def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_confi
     source.add_argument("--num-classes", type=positive_int, help="classifier size of the checkpoint's model")
     source.add_argument("--checkpoint", metavar="FILE", help="weights for a timm name given as MODEL")
     source.add_argument(
+        "--model-kwargs",
+        nargs="+",
+        type=model_kwarg,
+        metavar="KEY=VALUE",
+        help="constructor kwargs for MODEL's timm architecture, as train.py's --model-kwargs (values "
+        "read as Python literals, else as text): e.g. img_size=32 patch_size=8 depth=6",
+    )
+    source.add_argument(
         "--ema", action="store_true", help="use the checkpoint's EMA weights (state_dict_ema)"
     )
     source.add_argument(
@@ -281,6 +289,16 @@ def _integer(text: str, lo: int, hi: int, what: str) -> int:
     if not (digits.isascii() and digits.isdigit()) or not lo <= int(digits) <= hi:
         raise argparse.ArgumentTypeError(f"expected {what} from {lo} to {hi}; got {text!r}")
     return int(digits)
+
+
+def model_kwarg(text: str) -> str:
+    """One ``KEY=VALUE`` of --model-kwargs (timm train.py's syntax), checked for its form; kept as text."""
+    key, equals, _ = text.partition("=")
+    if not equals or not key.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"expected KEY=VALUE with KEY a Python name (timm's --model-kwargs, e.g. depth=6); got {text!r}"
+        )
+    return text
 
 
 def positive_int(text: str) -> int:

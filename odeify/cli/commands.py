@@ -8,6 +8,7 @@ notes go to stderr whenever stdout carries JSON or code.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import os
@@ -44,9 +45,29 @@ def _source(args: argparse.Namespace) -> str:
     return args.model or str(DEFAULT_MODEL_PATH)
 
 
+_OWN_FLAGS = {"num_classes": "--num-classes", "pretrained": "--pretrained", "checkpoint_path": "--checkpoint"}
+"""Constructor kwargs that --model-kwargs leaves to their own flags."""
+
+
+def model_kwargs(items: list[str] | None) -> dict[str, Any]:
+    """--model-kwargs as timm's train.py reads them: each VALUE a Python literal, else text."""
+    kwargs: dict[str, Any] = {}
+    for item in items or []:
+        key, _, text = item.partition("=")
+        if key in _OWN_FLAGS:
+            raise ConfigError(f"--model-kwargs {item}: pass {key} as {_OWN_FLAGS[key]} instead.")
+        if key in kwargs:
+            raise ConfigError(f"--model-kwargs names {key} twice; give it once.")
+        try:
+            kwargs[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            kwargs[key] = text
+    return kwargs
+
+
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The model-building flags that were given, as ``odeify.load_model`` keywords."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = model_kwargs(getattr(args, "model_kwargs", None))
     for flag in ("arch", "num_classes", "checkpoint"):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
@@ -547,6 +568,7 @@ RECORDED = (
     "arch",
     "num_classes",
     "checkpoint",
+    "model_kwargs",
     "pretrained",
     "ema",
     *DATA_CONFIG_FLAGS,
@@ -685,7 +707,7 @@ _RECORDED_TYPES: dict[str, tuple[type, ...]] = {
 }  # fmt: skip
 """The types of the recorded command-line settings that are not strings (what argparse produced; of
 the items of the lists in _RECORDED_LISTS)."""
-_RECORDED_LISTS = ("input_size", "leaf", "mean", "std", "scale", "ratio")
+_RECORDED_LISTS = ("input_size", "leaf", "mean", "std", "scale", "ratio", "model_kwargs")
 
 
 def _recorded_ok(key: str, value: object) -> bool:
