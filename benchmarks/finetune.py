@@ -462,6 +462,53 @@ def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None
     return lines
 
 
+def plot(cache: dict[str, dict[str, Any]], path: Path) -> bool:
+    """The default recipe's Python runs as validation accuracy per epoch: one panel per model, a
+    colour per manifestation, a line per seed; the source dashed, the target dotted. False (nothing
+    written) when the cache holds no such run."""
+    entries = list(cache.values())
+    sources = {e["key"]["model"]: 100 * e["accuracy"] for e in entries if e["key"]["via"] == "source"}
+    runs = [
+        e for e in entries if e["key"]["via"] == "python" and e["key"]["model"] in sources
+        and e["key"]["manifestation"] != ONE_STEP and recipe_label(e["key"]["recipe"]) == "default"
+        and e["key"]["augmentation"] in ("as trained", None)
+    ]  # fmt: skip
+    models = [m for m in sources if any(e["key"]["model"] == m for e in runs)]
+    if not models:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {m: f"C{i}" for i, m in enumerate(MANIFESTATIONS)}
+    columns = min(3, len(models))
+    rows = -(-len(models) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(models) :]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models, strict=False):
+        source = sources[model]
+        mine = [e for e in runs if e["key"]["model"] == model]
+        first_seed = min(e["key"]["seed"] for e in mine)
+        for e in mine:
+            manifestation = e["key"]["manifestation"]
+            label = manifestation if e["key"]["seed"] == first_seed else None
+            accuracy = [100 * h["val_accuracy"] for h in e["history"]]
+            ax.plot(accuracy, color=colours[manifestation], lw=1, marker=".", label=label)
+        ax.axhline(source, color="k", ls="--", lw=1, label="source")
+        ax.axhline(source - TARGET_GAP, color="k", ls=":", lw=1, label="target")
+        ax.set(title=model, xlabel="epoch (0 = before)", ylabel="validation accuracy (%)")
+        ax.set_ylim(source - 6, 100.3)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("Fine-tuning coarse manifestations back with the default recipe (one line per seed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def _made_by(entries: list[dict[str, Any]]) -> str:
     """The sweep commands that made the cached runs, as each run recorded it."""
     commands = list(dict.fromkeys(e["sweep"] for e in entries if "sweep" in e))
@@ -558,12 +605,14 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     if not args.report:
         sweep(args)
-    lines = report(
-        read_cache(args.cache), args.corpus, None if args.report else time.perf_counter() - started
-    )
+    cache = read_cache(args.cache)
+    lines = report(cache, args.corpus, None if args.report else time.perf_counter() - started)
     from odeify.core.fileio import atomic_write_bytes
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
+    png = args.output.with_suffix(".png")
+    if plot(cache, png):
+        lines += [f"![the default recipe's runs, epoch by epoch]({png.name})", ""]
     atomic_write_bytes(args.output, ("\n".join(lines) + "\n").encode())
     print("\n".join(lines))
 
