@@ -42,7 +42,7 @@ MEMORY_FREE_DEFAULT = {"integrator": "alf", "backward": "reversible"}
 steps, ``backward='reversible'``. Exact gradients at activation memory flat in depth, and the fastest
 such mode (benchmarks/train_step.py: 1.47x timm plain on resnet50 against reversible Heun's 2.26x);
 fine-tuned from there with the default recipe, 21 of 24 corpus runs meet the fine-tuning target, the
-most of any coarse manifestation measured (docs/finetuning.md)."""
+most of any manifestation measured (docs/finetuning.md)."""
 
 
 def for_training(
