@@ -17,9 +17,7 @@ from odeify.core.errors import ConfigError
 from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, parse_steps
 from odeify.models.data_config import INTERPOLATIONS, MAX_CROP
 from odeify.numerics.bases import BASES
-from odeify.numerics.tableaus import TABLEAUS, ReversibleHeun, resolve_integrator
-
-INTEGRATORS = sorted([*TABLEAUS, ReversibleHeun.name])
+from odeify.numerics.tableaus import KNOWN_INTEGRATORS, resolve_integrator
 
 
 def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_config: bool = False) -> None:
@@ -101,7 +99,9 @@ def manifestation_arguments(
         "--integrator",
         type=integrator,
         default=DEFAULTS["integrator"] if defaults else None,
-        help=f"one of {', '.join(INTEGRATORS)}" + (" (default: euler)" if defaults else keep),
+        help=f"one of {', '.join(KNOWN_INTEGRATORS)}"
+        + (" (default: euler)" if defaults else keep)
+        + (" (a model as converted, given no manifestation flag: alf; see --backward)" if finetuning else ""),
     )
     group.add_argument(
         "--steps",
