@@ -104,7 +104,8 @@ def _validated(stage: StageIR, request: StageRequest) -> int:
     )
     if request.steps is not None:
         resolve_steps(request.steps, stage.depth, stage.stage_name)
-    validate_backward(request.backward if request.backward is not None else stage.backward, integrator)
+    backward = request.backward if request.backward is not None else stage.backward
+    validate_backward(backward, integrator, stage.stage_name)
     if request.knots is None:
         count = stage.num_knots
     elif request.knots == "native":

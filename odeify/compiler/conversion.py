@@ -28,13 +28,14 @@ from odeify.runtime.stage import ODEStage
 __all__ = ["check_converted", "convert", "converted_stages", "retarget", "set_backward"]
 
 StepsSpec = int | str | Mapping[str, int | str]
+IntegratorSpec = str | Mapping[str, str]
 KnotsSpec = int | str | Mapping[str, int | str]
 Settings = Callable[[list[str]], dict[str, StageRequest]]
 
 
 def convert(
     model: str | nn.Module,
-    integrator: str = DEFAULTS["integrator"],
+    integrator: IntegratorSpec = DEFAULTS["integrator"],
     steps: StepsSpec = DEFAULTS["steps"],
     basis: str = DEFAULTS["basis"],
     knots: KnotsSpec = DEFAULTS["knots"],
@@ -50,14 +51,16 @@ def convert(
     :func:`odeify.models.loading.load_model`, e.g. ``pretrained=True``); a module is copied, never
     changed, and the result is in the same train/eval mode as it. ``steps`` takes an int,
     ``"native"`` (the run's block count), a depth multiplier ``"x2"`` / ``"x0.5"``, or a dict
-    {stage name: value}; ``knots`` an int, ``"native"`` or a dict. ``backward`` is one mode for the
-    whole model or a dict {stage name: mode}. With the defaults the result reproduces the model
-    exactly.
+    {stage name: value}; ``knots`` an int, ``"native"`` or a dict. ``integrator`` and ``backward`` are
+    one for the whole model or a dict {stage name: value} (say ``{"layer3": "alf"}`` beside
+    ``backward={"layer3": "reversible"}``); a stage a dict leaves out gets the default. With the
+    defaults the result reproduces the model exactly.
     """
-    resolve_integrator(integrator)  # fail fast on bad settings, before any tracing work
+    _check_values(integrator, resolve_integrator)  # fail fast on bad settings, before any tracing work
     get_basis(basis)
     _check_values(steps, parse_steps)
-    _check_values(backward, lambda mode: validate_backward(mode, resolve_integrator(integrator)))
+    if not isinstance(integrator, Mapping):  # per-stage integrators: each stage checks its pair
+        _check_values(backward, lambda mode: validate_backward(mode, resolve_integrator(integrator)))
     validate_leaf_modules(leaf_modules)
     if isinstance(model, nn.Module):
         if converted_stages(model):
@@ -89,7 +92,7 @@ def convert(
 
 def retarget(
     converted: fx.GraphModule,
-    integrator: str | None = None,
+    integrator: IntegratorSpec | None = None,
     steps: StepsSpec | None = None,
     knots: KnotsSpec | None = None,
     basis: str | None = None,
@@ -99,11 +102,12 @@ def retarget(
 
     ``knots`` below the current count compresses by least squares, above it refines by evaluating
     the current weight path; ``basis`` alone reinterprets the same knots with another basis.
-    Settings left as None keep each stage's current value. Returns a new module.
+    Settings left as None keep each stage's current value; every setting but ``basis`` may be a
+    {stage name: value} dict, whose stages left out keep theirs. Returns a new module.
     """
     check_converted(converted, "retarget")
     if integrator is not None:
-        resolve_integrator(integrator)
+        _check_values(integrator, resolve_integrator)
     if basis is not None:
         get_basis(basis)
     if steps is not None:
@@ -196,7 +200,7 @@ def _check_values(spec: object, check: Callable[[object], object]) -> None:
 def _settings(requested: Mapping[str, object], fill: bool) -> Settings:
     """The per-stage settings of a call, as a function of the stage names (known after analysis).
 
-    Each setting is one value for every stage or a {stage: value} dict (steps, knots, backward); with
+    Each setting is one value for every stage or a {stage: value} dict (all but basis); with
     ``fill`` (convert) a dict's missing stages get the default, without (retarget) they keep theirs.
     """
 
@@ -213,13 +217,13 @@ def _per_stage(spec: object, names: list[str], what: str, fill: bool) -> dict[st
     """Expand a scalar or {stage: value} setting to every stage, checking the names."""
     if not isinstance(spec, Mapping):
         return {n: spec for n in names}
-    if what in ("integrator", "basis"):
-        raise ConfigError(f"{what} is one value for every stage (a name such as 'rk4'), not a dict.")
+    if what == "basis":
+        raise ConfigError("basis is one value for every stage (a name such as 'linear'), not a dict.")
     unknown = [k for k in spec if k not in names]
     if unknown:
         raise ConfigError(
             f"{what} names stage(s) {', '.join(map(repr, unknown))} that do not exist; "
             f"the stages are: {', '.join(names)}."
         )
-    default = DEFAULTS[what] if fill and what in ("steps", "knots") else None
+    default = DEFAULTS[what] if fill and what in ("integrator", "steps", "knots") else None
     return {n: spec.get(n, default) for n in names if n in spec or default is not None}

@@ -71,7 +71,9 @@ def validate_checkpoint_every(every: object, stage: str) -> int:
     )
 
 
-def validate_backward(mode: object, integrator: Integrator) -> BackwardMode:
+def validate_backward(mode: object, integrator: Integrator, stage: str | None = None) -> BackwardMode:
+    """``mode`` checked against the integrator of the stage (named in the message when given)."""
+    which = "the stage" if stage is None else f"stage '{stage}'"
     if mode not in BACKWARD_MODES:
         raise ConfigError(f"unknown backward mode {mode!r}; choose one of {', '.join(BACKWARD_MODES)}.")
     if mode == "reversible" and isinstance(integrator, Splitting):
@@ -83,7 +85,7 @@ def validate_backward(mode: object, integrator: Integrator) -> BackwardMode:
         )
     if mode == "reversible" and not isinstance(integrator, ReversibleScheme):
         raise ConfigError(
-            f"backward='reversible' needs an algebraically reversible integrator, but the stage uses "
+            f"backward='reversible' needs an algebraically reversible integrator, but {which} uses "
             f"'{integrator.name}'. Use integrator='alf' (one field evaluation per step) or "
             f"'reversible_heun' with backward='reversible', or keep '{integrator.name}' with "
             "backward='checkpoint' (exact) or 'reverse' (approximate, memory-free)."
