@@ -40,7 +40,7 @@ __all__ = [
 MEMORY_FREE_DEFAULT = {"integrator": "alf", "backward": "reversible"}
 """What a model at its source's manifestation trains with when nothing is asked for: ALF at its
 steps, ``backward='reversible'``. Exact gradients at activation memory flat in depth, and the fastest
-such mode (benchmarks/train_step.py: 1.47x timm plain on resnet50 against reversible Heun's 2.26x);
+such mode (benchmarks/train_step.py: 1.49x timm plain on resnet50 against reversible Heun's 2.31x);
 fine-tuned from there with the default recipe, 21 of 24 corpus runs meet the fine-tuning target, the
 most of any manifestation measured (docs/finetuning.md)."""
 
