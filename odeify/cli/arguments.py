@@ -99,9 +99,7 @@ def manifestation_arguments(
         "--integrator",
         type=integrator,
         default=DEFAULTS["integrator"] if defaults else None,
-        help=f"one of {', '.join(KNOWN_INTEGRATORS)}"
-        + (" (default: euler)" if defaults else keep)
-        + (" (a model as converted, given no manifestation flag: alf; see --backward)" if finetuning else ""),
+        help=f"one of {', '.join(KNOWN_INTEGRATORS)}" + (" (default: euler)" if defaults else keep),
     )
     group.add_argument(
         "--steps",
@@ -131,11 +129,7 @@ def manifestation_arguments(
         "exact; alf, reversible_heun)"
     )
     if finetuning:
-        backward_help += (
-            "; default: a model as converted, given no manifestation flag, trains as --integrator alf "
-            "--backward reversible (not with --amp, nor on a GPU without --deterministic); else "
-            "reversible for alf and reversible_heun, checkpoint otherwise"
-        )
+        backward_help += "; default: reversible for alf and reversible_heun, checkpoint otherwise"
     group.add_argument(
         "--backward",
         choices=BACKWARD_MODES,

@@ -659,9 +659,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     processes = start_processes(settings.device)
     try:
         loaded, _ = _loaded(settings)
-        manifestation = _manifestation(settings, without=("backward",))
-        exact = recipe.amp is None and (processes.device.type == "cpu" or bool(settings.deterministic))
-        model = for_training(loaded, settings.backward, rebuilds_exactly=exact, **manifestation)
+        model = for_training(loaded, settings.backward, **_manifestation(settings, without=("backward",)))
         finetune(
             model,
             open_data(settings.data, model, _augmentation(settings, model)),
