@@ -401,7 +401,7 @@ def _meets(entry: dict[str, Any], source: float) -> bool:
 
 def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None) -> list[str]:
     entries = list(cache.values())
-    sources = {e["key"]["model"]: 100 * e["accuracy"] for e in entries if e["key"]["via"] == "source"}
+    sources = _sources(entries)
     runs = [e for e in entries if e["key"]["via"] != "source" and e["key"]["model"] in sources]
     val = json.loads((corpus / "corpus.json").read_text())["data"]["val"]
     columns = [ONE_STEP, *[m for m in MANIFESTATIONS if any(e["key"]["manifestation"] == m for e in runs)]]
@@ -467,7 +467,7 @@ def plot(cache: dict[str, dict[str, Any]], path: Path) -> bool:
     colour per manifestation, a line per seed; the source dashed, the target dotted. False (nothing
     written) when the cache holds no such run."""
     entries = list(cache.values())
-    sources = {e["key"]["model"]: 100 * e["accuracy"] for e in entries if e["key"]["via"] == "source"}
+    sources = _sources(entries)
     runs = [
         e for e in entries if e["key"]["via"] == "python" and e["key"]["model"] in sources
         and e["key"]["manifestation"] != ONE_STEP and recipe_label(e["key"]["recipe"]) == "default"
@@ -507,6 +507,11 @@ def plot(cache: dict[str, dict[str, Any]], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _sources(entries: list[dict[str, Any]]) -> dict[str, float]:
+    """Each model's source accuracy (%), from the cache's source entries."""
+    return {e["key"]["model"]: 100 * e["accuracy"] for e in entries if e["key"]["via"] == "source"}
 
 
 def _made_by(entries: list[dict[str, Any]]) -> str:

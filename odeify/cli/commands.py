@@ -67,7 +67,7 @@ def model_kwargs(items: list[str] | None) -> dict[str, Any]:
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The model-building flags that were given, as ``odeify.load_model`` keywords."""
-    kwargs: dict[str, Any] = model_kwargs(getattr(args, "model_kwargs", None))
+    kwargs: dict[str, Any] = model_kwargs(args.model_kwargs)
     for flag in ("arch", "num_classes", "checkpoint"):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
