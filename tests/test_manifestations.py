@@ -4,7 +4,8 @@ Centre piece: resnet152's layer3, a run of 35 identical bottleneck blocks. Emitt
 it costs 16 field evaluations; retargeted back to Euler at native depth it is the original network
 bit for bit; compressed to 8 knots it is the least-squares fit of the 35 block weights (numpy's
 lstsq on the basis' design matrix), and a weight path that already is an 8-knot spline survives the
-round trip 35 -> 8 -> 35 exactly. resnet152 is converted once (fp32, 1x3x64x64) for the module.
+round trip 35 -> 8 -> 35 exactly. resnet152 is converted once (fp32, 1x3x64x64) for the module, at a
+half of its widths (:data:`WIDTHS`): the same blocks, depths and projections, a quarter of the weights.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from odeify.models._testing import make_test_model
 from odeify.numerics.bases import get_basis
 
 SHAPE = (1, 3, 64, 64)
+WIDTHS = (32, 64, 128, 256)
+"""timm ResNet's ``channels``, half its own (64, 128, 256, 512): the full widths' fp64 copies, retargets
+and least-squares fits made this module 100 s of the suite, and nothing here depends on a width (a
+quarter would drop layer1's projection: its output would match the 64-channel stem)."""
 BASES = ("constant", "linear", "cubic")
 COARSE = 8  # knots of the compressed layer3
 COARSE_BLOCKS = [0, 5, 10, 15, 20, 25, 30, 34]  # blocks whose weights serve as the coarse knots
@@ -41,7 +46,7 @@ def resnet152():
     threads = torch.get_num_threads()  # module fixtures run before the autouse one
     torch.set_num_threads(1)
     try:
-        model = make_test_model("resnet152")
+        model = make_test_model("resnet152", channels=WIDTHS)
         converted = odeify.convert(model, input_size=SHAPE)
     finally:
         torch.set_num_threads(threads)
