@@ -85,6 +85,9 @@ MANIFESTATIONS: dict[str, dict[str, Any]] = {
 ONE_STEPS: dict[str, dict[str, Any]] = {ONE_STEP: {}, ONE_STEP_ALF: MANIFESTATIONS["ALF, native steps"]}
 """The one-step checks: one optimizer step of the recipe on the model as converted, or on its ALF
 manifestation at the native steps (the memory-free candidate default, issue 22)."""
+CLI_DEFAULT = MANIFESTATIONS["ALF, native steps"]
+"""``odeify finetune FILE`` with no manifestation flag trains a model as converted so (issue 22): the
+CLI runs of this manifestation pass no flag."""
 CLI_FLAGS = {"integrator": "--integrator", "steps": "--steps", "knots": "--knots", "basis": "--basis"}
 AUGMENTATIONS = {
     "as trained": {"hflip": float(TRAIN_PY_RECIPE["--hflip"])},
@@ -199,7 +202,11 @@ def run_cli(key: dict[str, Any], corpus: Path, work: Path) -> dict[str, Any]:
         command += ["--batch-size", str(key["recipe"]["batch_size"])]
     if key["manifestation"] in ONE_STEPS:
         command += ["--epochs", "1", "--max-batches", "1"]
-    settings = ONE_STEPS.get(key["manifestation"], MANIFESTATIONS.get(key["manifestation"]))
+    settings = _settings(key["manifestation"])
+    if settings == CLI_DEFAULT:
+        settings = {}  # what the command trains a model as converted with, given no manifestation flag
+    elif not settings:
+        settings = {"integrator": "euler"}  # the model as converted, as converted (not the default)
     command += [x for k, v in settings.items() for x in ((CLI_FLAGS.get(k, f"--{k}"), str(v)))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -332,7 +339,8 @@ def planned(args: argparse.Namespace) -> list[dict[str, Any]]:
                     augmentation = _default_augmentation(model, args.augmentation)
                     parts = {"via": via, "model": model, "recipe": recipe, "seed": seed}
                     for manifestation in runs:
-                        keys.append(_key(**parts, manifestation=manifestation, augmentation=augmentation))
+                        key = {**parts, "recipe": _with_peak(recipe, manifestation)}
+                        keys.append(_key(**key, manifestation=manifestation, augmentation=augmentation))
     return list({_key_text(key): key for key in keys}.values())  # a candidate may equal the default
 
 
@@ -366,16 +374,35 @@ def _label(key: dict[str, Any]) -> str:
     return " | ".join(str(parts[k]) for k in KEY_PARTS if parts[k] is not None)
 
 
+def _settings(manifestation: str) -> dict[str, Any]:
+    return {**ONE_STEPS, **MANIFESTATIONS}[manifestation]
+
+
+def _with_peak(recipe: dict[str, Any], manifestation: str) -> dict[str, Any]:
+    """``recipe`` with the peak learning rate a run of ``manifestation`` trains at: its own, else the
+    default for the manifestation's integrator (``odeify.train.recipe.default_lr``), as finetune sets it."""
+    from odeify.train.recipe import default_lr
+
+    if recipe["lr"] is not None:
+        return recipe
+    return {**recipe, "lr": default_lr([_settings(manifestation).get("integrator", "euler")])}
+
+
 def recipe_label(recipe: dict[str, Any]) -> str:
-    """The candidate's label for a recipe (runs are cached by the recipe itself, not its label).
+    """The candidate's label for a recipe (runs are cached by the recipe itself, not its label): the
+    default recipe at each integrator's peak is ``default (lr X)``.
 
     A batch size set by ``--batch-size`` is named after the label.
     """
+    from odeify.train.recipe import ALF_LR, DEFAULT_LR
+
     batch = recipe["batch_size"]
+    suffix = "" if batch == _default_recipe()["batch_size"] else f", batch {batch}"
+    for lr in (DEFAULT_LR, ALF_LR):
+        if {**_default_recipe(), "lr": lr, "batch_size": batch} == recipe:
+            return f"default (lr {lr:g}){suffix}"
     found = [label for label, r in candidates().items() if asdict(replace(r, batch_size=batch)) == recipe]
-    if not found:
-        return json.dumps(recipe)
-    return found[0] + ("" if batch == _default_recipe()["batch_size"] else f", batch {batch}")
+    return found[0] + suffix if found else json.dumps(recipe)
 
 
 def _default_recipe() -> dict[str, Any]:
@@ -480,7 +507,8 @@ def plot(cache: dict[str, dict[str, Any]], path: Path) -> bool:
     sources = _sources(entries)
     runs = [
         e for e in entries if e["key"]["via"] == "python" and e["key"]["model"] in sources
-        and e["key"]["manifestation"] not in ONE_STEPS and recipe_label(e["key"]["recipe"]) == "default"
+        and e["key"]["manifestation"] not in ONE_STEPS
+        and recipe_label(e["key"]["recipe"]).startswith("default")
         and e["key"]["augmentation"] in ("as trained", None)
     ]  # fmt: skip
     models = [m for m in sources if any(e["key"]["model"] == m for e in runs)]

@@ -46,6 +46,7 @@ from odeify.train.finetune import (
     refine,
 )
 from odeify.train.parametrization import SourceCoordinates, param_groups
+from odeify.train.recipe import ALF_LR, DEFAULT_LR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -509,3 +510,38 @@ def test_training_defaults_to_a_memory_free_mode_per_integrator(native: torch.nn
     assert memory_free_backward(native) == "checkpoint"  # Euler, as converted
     reverse = odeify.set_backward(native, {"layer1": "reverse"})
     assert memory_free_backward(reverse) == {"layer1": "reverse", "layer2": "checkpoint"}
+
+
+def test_a_model_as_converted_trains_alf_reversible_unless_asked() -> None:
+    """Nothing asked for, the source's manifestation trains memory-free and exact (ALF, reversible);
+    any manifestation setting or backward mode given, or a run that cannot rebuild exactly (autocast),
+    keeps the old rule (Euler trains checkpoint)."""
+    from odeify.compiler.conversion import converted_stages
+    from odeify.train.manifestations import at_source_manifestation, for_training
+
+    def shape(model: torch.nn.Module) -> list[tuple[str, str, int]]:
+        return [(s.integrator.name, s.backward, s.steps) for s in converted_stages(model)]
+
+    native = odeify.convert(str(DEFAULT_MODEL_PATH))  # its own: set_backward changes a model in place
+    assert at_source_manifestation(native)
+    assert shape(for_training(native)) == [("alf", "reversible", 4), ("alf", "reversible", 3)]
+    assert shape(for_training(native, steps=1)) == [("euler", "checkpoint", 1)] * 2
+    euler = [("euler", "checkpoint", 4), ("euler", "checkpoint", 3)]
+    assert shape(for_training(native, "checkpoint")) == euler
+    assert shape(for_training(native, rebuilds_exactly=False)) == euler  # e.g. autocast
+    coarse = odeify.retarget(native, steps=1)
+    assert not at_source_manifestation(coarse)
+    assert shape(for_training(coarse)) == [("euler", "checkpoint", 1)] * 2
+
+
+@pytest.mark.parametrize(("settings", "peak"), [({"integrator": "alf"}, ALF_LR), ({"steps": 1}, DEFAULT_LR)])
+def test_a_recipe_without_lr_trains_at_its_integrators_peak(digits, settings, peak) -> None:
+    """The default recipe's lr is None: one step (the whole schedule: the peak) runs at ALF's peak
+    where a stage integrates with ALF, else at the default one; a recipe's own lr is kept."""
+    model = odeify.retarget(odeify.convert(str(DEFAULT_MODEL_PATH)), **settings)  # not the shared native
+    one_step = replace(DEFAULT_RECIPE, epochs=1, batch_size=16)
+    assert one_step.lr is None
+    history = finetune(model, digits, one_step, max_batches=1, progress=False).history
+    assert history[1].lr == pytest.approx(peak)
+    own = finetune(model, digits, replace(one_step, lr=1e-3), max_batches=1, progress=False).history
+    assert own[1].lr == pytest.approx(1e-3)

@@ -17,7 +17,7 @@ import pytest
 from odeify.cli import commands
 from odeify.cli.parser import main
 from odeify.train.progress import BatchProgress, plural
-from odeify.train.recipe import DEFAULT_RECIPE
+from odeify.train.recipe import DEFAULT_LR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,7 +90,7 @@ def test_resume_of_a_finished_run_with_more_epochs_continues_it(
     assert main(["finetune", "--resume", "--out", str(run), "--epochs", "1", "--lr", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "recipe.epochs: recorded 2, now 1" in err
-    assert f"recipe.lr: recorded {DEFAULT_RECIPE.lr}, now 0.5" in err
+    assert f"recipe.lr: recorded {DEFAULT_LR}, now 0.5" in err  # --steps 1: Euler's default peak
     assert "'batch_size'" not in err  # the settings that agree are not printed
 
 

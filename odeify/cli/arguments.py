@@ -99,7 +99,9 @@ def manifestation_arguments(
         "--integrator",
         type=integrator,
         default=DEFAULTS["integrator"] if defaults else None,
-        help=f"one of {', '.join(KNOWN_INTEGRATORS)}" + (" (default: euler)" if defaults else keep),
+        help=f"one of {', '.join(KNOWN_INTEGRATORS)}"
+        + (" (default: euler)" if defaults else keep)
+        + (" (a model as converted, given no manifestation flag: alf; see --backward)" if finetuning else ""),
     )
     group.add_argument(
         "--steps",
@@ -129,7 +131,11 @@ def manifestation_arguments(
         "exact; alf, reversible_heun)"
     )
     if finetuning:
-        backward_help += "; default: reversible for alf and reversible_heun, checkpoint otherwise"
+        backward_help += (
+            "; default: a model as converted, given no manifestation flag, trains as --integrator alf "
+            "--backward reversible (not with --amp, nor on a GPU without --deterministic); else "
+            "reversible for alf and reversible_heun, checkpoint otherwise"
+        )
     group.add_argument(
         "--backward",
         choices=BACKWARD_MODES,

@@ -659,7 +659,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     processes = start_processes(settings.device)
     try:
         loaded, _ = _loaded(settings)
-        model = for_training(loaded, settings.backward, **_manifestation(settings, without=("backward",)))
+        manifestation = _manifestation(settings, without=("backward",))
+        exact = recipe.amp is None and (processes.device.type == "cpu" or bool(settings.deterministic))
+        model = for_training(loaded, settings.backward, rebuilds_exactly=exact, **manifestation)
         finetune(
             model,
             open_data(settings.data, model, _augmentation(settings, model)),

@@ -92,7 +92,7 @@ from odeify.train.progress import (
     run_summary,
     teacher_line,
 )
-from odeify.train.recipe import DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
+from odeify.train.recipe import DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe, with_lr
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import (
     BEST_FILE,
@@ -173,6 +173,10 @@ def finetune(
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
 
+    ``recipe.lr`` None (the default recipe's) trains at the peak chosen for the model's integrators
+    (:func:`odeify.train.recipe.default_lr`: lower where a stage integrates with ALF), recorded
+    with the run.
+
     ``teacher``: what the recipe distills from (``recipe.distill > 0``), a module or the path of a
     model file (converted, or a checkpoint odeify loads by itself); default: the source network the
     model keeps (:func:`source_network`), unchanged by retargeting, compression or earlier
@@ -185,6 +189,7 @@ def finetune(
     ``log_interval`` batches.
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
+    recipe = with_lr(recipe, (stage.integrator.name for stage in converted_stages(model)))
     check_data(data, model)
     procs = processes or Processes()
     folder = _run_folder(out, resume)

@@ -7,11 +7,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 from odeify.core.errors import ConfigError
 
-__all__ = ["AMP_DTYPES", "DEFAULT_RECIPE", "EMA_WARMUP_POWER", "Recipe"]
+__all__ = [
+    "ALF_LR",
+    "AMP_DTYPES",
+    "DEFAULT_LR",
+    "DEFAULT_RECIPE",
+    "EMA_WARMUP_POWER",
+    "Recipe",
+    "default_lr",
+    "with_lr",
+]
 
 AMP_DTYPES = (None, "bfloat16", "float16")  # timm train.py's --amp-dtype names; None: no autocast
 
@@ -25,9 +35,11 @@ EMA_WARMUP_POWER = 2 / 3
 class Recipe:
     """How :func:`finetune` trains: optimizer, learning-rate schedule, regularisation, epochs.
 
-    The learning rate rises linearly from 0 over the first ``warmup`` fraction of all steps, then
-    follows a cosine to 0 at the last step. ``weight_decay`` applies to weight matrices and
-    convolution kernels only (timm's grouping: biases, norms and knot biases are not decayed).
+    The learning rate rises linearly from 0 over the first ``warmup`` fraction of all steps to ``lr``,
+    then follows a cosine to 0 at the last step. ``lr=None`` (the default) is the peak chosen for the
+    model's integrators, :func:`default_lr` (as timm's train.py leaves ``--lr`` unset to derive it).
+    ``weight_decay`` applies to weight matrices and convolution kernels only (timm's grouping: biases,
+    norms and knot biases are not decayed).
     The loss is ``(1 - distill) * cross-entropy + distill * T^2 * KL(teacher || model)`` at
     temperature ``T``: with a teacher (the converted model at native depth, which is the source
     network), the coarse model learns the source's function, not only its labels.
@@ -52,7 +64,7 @@ class Recipe:
     epochs: int = 6
     batch_size: int = 64
     optimizer: str = "adamw"
-    lr: float = 3e-4
+    lr: float | None = None
     warmup: float = 0.1
     weight_decay: float = 0.05
     label_smoothing: float = 0.0
@@ -75,7 +87,7 @@ class Recipe:
         checks = {
             "epochs": self.epochs >= 1,
             "batch_size": self.batch_size >= 1,
-            "lr": math.isfinite(self.lr) and self.lr > 0,
+            "lr": self.lr is None or (math.isfinite(self.lr) and self.lr > 0),
             "warmup": 0 <= self.warmup < 1,
             "weight_decay": math.isfinite(self.weight_decay) and self.weight_decay >= 0,
             "label_smoothing": 0 <= self.label_smoothing < 1,
@@ -93,16 +105,39 @@ class Recipe:
             got = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
             raise ConfigError(
                 f"invalid fine-tuning setting(s): {got}. epochs and batch_size must be positive integers, "
-                "lr a positive number, warmup in [0, 1), weight_decay >= 0, label_smoothing in [0, 1), "
-                "clip_grad_norm positive or None, distill in [0, 1], temperature positive, ema_decay in "
-                "[0, 1) or None, amp None, 'bfloat16' or 'float16', mixup and cutmix >= 0, opt_eps positive "
-                "or None."
+                "lr a positive number or None, warmup in [0, 1), weight_decay >= 0, label_smoothing in "
+                "[0, 1), clip_grad_norm positive or None, distill in [0, 1], temperature positive, "
+                "ema_decay in [0, 1) or None, amp None, 'bfloat16' or 'float16', mixup and cutmix >= 0, "
+                "opt_eps positive or None."
             )
 
 
 DEFAULT_RECIPE = Recipe()
 """The recipe chosen by benchmarks/finetune.py on the corpus of user-like models (issue 20; see
-docs/finetuning.md for the measurements): a 3e-4 peak learning rate, where 1e-3 (the recipe before,
-chosen on the digits models alone) moved validation accuracy by 1.1 to 2.8 points in one step (3e-4:
-at most 0.84 over 4 seeds), and 6 epochs, the shortest schedule at that peak that brought the
-furthest coarse starts of the digits models within 0.5 point of their source."""
+docs/finetuning.md for the measurements): the peak learning rate of :func:`default_lr`, and 6
+epochs, the shortest schedule at the 3e-4 peak that brought the furthest coarse starts of the digits
+models within 0.5 point of their source."""
+
+DEFAULT_LR = 3e-4
+"""The peak learning rate where no stage integrates with ALF: 1e-3 (the recipe before, chosen on the
+digits models alone) moved validation accuracy by 1.1 to 2.8 points in one step, 3e-4 by at most
+0.84 over 4 seeds of the corpus."""
+
+ALF_LR = 5e-5
+"""The peak learning rate where a stage integrates with ALF, measured on the corpus (ALF at native
+steps, 4 seeds; docs/finetuning.md): one step at 3e-4 took resnet18 from 98.33 to 83.84% and
+resnetv2_18 from 98.61 to 74.09% (Euler: 97.77 and 99.44); at 1e-4 one step still moved resnet18 by
+1.1 to 2.2 points in 3 seeds of 4, at 7e-5 resnetv2_18 by 1.1 (up) in 2. At 5e-5 one step moves no
+model by a point (at most 0.84), and 6 epochs bring 21 of 24 runs within 0.5 point of the source
+(resnetv2_18 ends one image short in 3 seeds), as many as 3e-4 did. ALF's parasitic mode
+(docs/design.md) makes its function more sensitive to the weights than the network's own."""
+
+
+def default_lr(integrators: Iterable[str]) -> float:
+    """The peak learning rate of a recipe without one, for a model whose stages use ``integrators``."""
+    return ALF_LR if "alf" in set(integrators) else DEFAULT_LR
+
+
+def with_lr(recipe: Recipe, integrators: Iterable[str]) -> Recipe:
+    """``recipe`` with its peak learning rate set: its own, else :func:`default_lr`'s for ``integrators``."""
+    return recipe if recipe.lr is not None else replace(recipe, lr=default_lr(integrators))
