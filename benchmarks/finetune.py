@@ -400,7 +400,7 @@ def recipe_label(recipe: dict[str, Any]) -> str:
     suffix = "" if batch == _default_recipe()["batch_size"] else f", batch {batch}"
     for lr in (DEFAULT_LR, ALF_LR):
         if {**_default_recipe(), "lr": lr, "batch_size": batch} == recipe:
-            return f"default (lr {lr:g}){suffix}"
+            return f"default (lr {lr:.0e}){suffix}".replace("e-0", "e-")  # default (lr 5e-5)
     found = [label for label, r in candidates().items() if asdict(replace(r, batch_size=batch)) == recipe]
     return found[0] + suffix if found else json.dumps(recipe)
 
@@ -507,8 +507,8 @@ def plot(cache: dict[str, dict[str, Any]], path: Path) -> bool:
     sources = _sources(entries)
     runs = [
         e for e in entries if e["key"]["via"] == "python" and e["key"]["model"] in sources
-        and e["key"]["manifestation"] not in ONE_STEPS
-        and recipe_label(e["key"]["recipe"]).startswith("default")
+        and e["key"]["manifestation"] in MANIFESTATIONS  # not a one-step check, nor one no longer run
+        and e["key"]["recipe"] == _with_peak(_default_recipe(), e["key"]["manifestation"])
         and e["key"]["augmentation"] in ("as trained", None)
     ]  # fmt: skip
     models = [m for m in sources if any(e["key"]["model"] == m for e in runs)]
