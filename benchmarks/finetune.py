@@ -119,6 +119,7 @@ def candidates() -> dict[str, Any]:
         "lr 1e-4, 6 epochs": replace(before, lr=1e-4, epochs=6),  # ALF's one-step check (issue 22)
         "lr 5e-5, 6 epochs": replace(before, lr=5e-5, epochs=6),
         "lr 7e-5, 6 epochs": replace(before, lr=7e-5, epochs=6),
+        "lr 5e-5, 10 epochs": replace(before, lr=5e-5, epochs=10),  # ALF's misses at 5e-5 (issue 22)
         "lr 2e-4, 6 epochs": replace(before, lr=2e-4, epochs=6),
         "lr 2e-4, half distillation": replace(before, lr=2e-4, distill=0.5),
         "lr 2e-4, no warm-up": replace(before, lr=2e-4, warmup=0.0),
