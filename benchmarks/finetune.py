@@ -84,7 +84,7 @@ MANIFESTATIONS: dict[str, dict[str, Any]] = {
 }
 ONE_STEPS: dict[str, dict[str, Any]] = {ONE_STEP: {}, ONE_STEP_ALF: MANIFESTATIONS["ALF, native steps"]}
 """The one-step checks: one optimizer step of the recipe on the model as converted, or on its ALF
-manifestation at the native steps (the memory-free candidate default, issue 22)."""
+manifestation at the native steps (what ``odeify finetune`` trains a model as converted with, issue 22)."""
 CLI_DEFAULT = MANIFESTATIONS["ALF, native steps"]
 """``odeify finetune FILE`` with no manifestation flag trains a model as converted so (issue 22): the
 CLI runs of this manifestation pass no flag."""
@@ -382,11 +382,13 @@ def _settings(manifestation: str) -> dict[str, Any]:
 def _with_peak(recipe: dict[str, Any], manifestation: str) -> dict[str, Any]:
     """``recipe`` with the peak learning rate a run of ``manifestation`` trains at: its own, else the
     default for the manifestation's integrator (``odeify.train.recipe.default_lr``), as finetune sets it."""
+    from odeify.numerics.tableaus import resolve_integrator
     from odeify.train.recipe import default_lr
 
     if recipe["lr"] is not None:
         return recipe
-    return {**recipe, "lr": default_lr([_settings(manifestation).get("integrator", "euler")])}
+    integrator = resolve_integrator(_settings(manifestation).get("integrator", "euler"))
+    return {**recipe, "lr": default_lr([integrator])}
 
 
 def recipe_label(recipe: dict[str, Any]) -> str:

@@ -39,8 +39,7 @@ from odeify.inspection.report import markdown_table
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.datasets import open_data
 from odeify.train.evaluate import evaluate, field_evaluations, saved_for_backward
-from odeify.train.finetune import DEFAULT_RECIPE, finetune
-from odeify.train.recipe import with_lr
+from odeify.train.finetune import DEFAULT_RECIPE, finetune, recipe_for
 from odeify.train.sweep import sweep, sweep_markdown
 
 COARSE = {
@@ -166,7 +165,7 @@ def _sweep(native: torch.nn.Module, test: DataLoader, out: Path) -> list[str]:
 
 def _finetune(native: torch.nn.Module, data, recipe, out: Path) -> list[str]:
     coarse = odeify.retarget(native, **COARSE)
-    recipe = with_lr(recipe, (s.integrator.name for s in odeify.converted_stages(coarse)))  # as finetune does
+    recipe = recipe_for(coarse, recipe)  # the peak finetune trains it at, for the report
     result = finetune(
         coarse, data, recipe, out=out / "finetune", teacher=native, progress=False
     )  # its epoch lines go to the odeify logger, which the command line prints

@@ -77,6 +77,7 @@ from odeify.train.manifestations import (
     for_training,
     load_teacher,
     native_depth,
+    recipe_for,
     refine,
     source_network,
     unknown_source,
@@ -92,7 +93,7 @@ from odeify.train.progress import (
     run_summary,
     teacher_line,
 )
-from odeify.train.recipe import DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe, with_lr
+from odeify.train.recipe import DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import (
     BEST_FILE,
@@ -128,6 +129,7 @@ __all__ = [
     "learning_rate_factor",
     "native_depth",
     "read_run",
+    "recipe_for",
     "refine",
     "source_network",
     "start_processes",
@@ -189,7 +191,7 @@ def finetune(
     ``log_interval`` batches.
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
-    recipe = with_lr(recipe, (stage.integrator.name for stage in converted_stages(model)))
+    recipe = recipe_for(model, recipe)
     check_data(data, model)
     procs = processes or Processes()
     folder = _run_folder(out, resume)

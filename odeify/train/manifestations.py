@@ -23,6 +23,7 @@ from odeify.compiler.conversion import converted_stages, retarget
 from odeify.core.errors import ConfigError
 from odeify.numerics.tableaus import REVERSIBLE_SCHEMES
 from odeify.passes.source import drop_sources, source_values, stage_source
+from odeify.train.recipe import Recipe, with_lr
 
 __all__ = [
     "MEMORY_FREE_DEFAULT",
@@ -31,6 +32,7 @@ __all__ = [
     "for_training",
     "memory_free_backward",
     "native_depth",
+    "recipe_for",
     "refine",
     "source_network",
     "unknown_source",
@@ -72,6 +74,12 @@ def for_training(
     integrator = settings.get("integrator")
     mode = backward if backward is not None else memory_free_backward(model, integrator)
     return retarget(model, backward=mode, **settings)
+
+
+def recipe_for(model: fx.GraphModule, recipe: Recipe) -> Recipe:
+    """``recipe`` as a run trains ``model`` with it: a peak learning rate left None set for the model's
+    integrators (:func:`odeify.train.recipe.default_lr`: lower where a stage integrates with ALF)."""
+    return with_lr(recipe, (stage.integrator for stage in converted_stages(model)))
 
 
 def at_source_manifestation(model: fx.GraphModule) -> bool:

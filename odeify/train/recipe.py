@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from odeify.core.errors import ConfigError
+from odeify.numerics.schemes import AsyncLeapfrog
+from odeify.numerics.tableaus import Integrator
 
 __all__ = [
     "ALF_LR",
@@ -133,11 +135,12 @@ model by a point (at most 0.84), and 6 epochs bring 21 of 24 runs within 0.5 poi
 (docs/design.md) makes its function more sensitive to the weights than the network's own."""
 
 
-def default_lr(integrators: Iterable[str]) -> float:
-    """The peak learning rate of a recipe without one, for a model whose stages use ``integrators``."""
-    return ALF_LR if "alf" in set(integrators) else DEFAULT_LR
+def default_lr(integrators: Iterable[Integrator]) -> float:
+    """The peak learning rate of a recipe without one, for a model whose stages use ``integrators``
+    (ALF with either start counts as ALF)."""
+    return ALF_LR if any(isinstance(i, AsyncLeapfrog) for i in integrators) else DEFAULT_LR
 
 
-def with_lr(recipe: Recipe, integrators: Iterable[str]) -> Recipe:
+def with_lr(recipe: Recipe, integrators: Iterable[Integrator]) -> Recipe:
     """``recipe`` with its peak learning rate set: its own, else :func:`default_lr`'s for ``integrators``."""
     return recipe if recipe.lr is not None else replace(recipe, lr=default_lr(integrators))
