@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from machine import command_line, provenance, write_results
 from tables import markdown_table
-from train_step import BATCH, CLASSES, MODELS, ROWS, SIZE, STEPS, build
+from train_step import BATCH, CLASSES, MODELS, ROWS, SIZE, STEPS, TRAINED_LIKE_BRANCH_SCALE, WEIGHTS, build
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADERS = (
@@ -39,12 +39,14 @@ HEADERS = (
 )
 
 
-def measure(model_name: str, rows: list[str], steps: str, rounds: int) -> list[tuple[str, ...]]:
+def measure(
+    model_name: str, rows: list[str], steps: str, rounds: int, weights: str = "random"
+) -> list[tuple[str, ...]]:
     """One table row per training row: median and spread of its per-round ratios to timm plain."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, 3, SIZE, SIZE, generator=g)
     labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
-    models = {row: build(model_name, ROWS[row], steps) for row in rows}
+    models = {row: build(model_name, ROWS[row], steps, weights) for row in rows}
 
     def step(model: torch.nn.Module) -> tuple[float, float]:
         model.zero_grad(set_to_none=True)
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", choices=STEPS, default="native", help="the manifestation's steps")
     parser.add_argument("--rounds", type=int, default=5, help="rounds: every row steps once per round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest CPU time)")
+    parser.add_argument(
+        "--weights", choices=WEIGHTS, default="random", help="train_step.py's --weights (default: random)"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "step_ratios.md", help="Markdown record")
     args = parser.parse_args(argv)
     if "timm" not in args.rows:
@@ -98,14 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", "odeify: stage", RuntimeWarning)  # fallbacks: train_step.py counts them
     rows = ["timm", *(row for row in args.rows if row != "timm")]
-    table = [line for model in args.models for line in measure(model, rows, args.steps, args.rounds)]
+    table = [
+        line for model in args.models for line in measure(model, rows, args.steps, args.rounds, args.weights)
+    ]
+    weakened = (
+        f"; every residual branch's last-norm gain scaled by {TRAINED_LIKE_BRANCH_SCALE} (`--weights "
+        "trained-like`: a trained network's branch strength, see train_step.py)"
+        if args.weights == "trained-like"
+        else ""
+    )
     lines = [
         "# Training-step time against timm plain, interleaved in one process",
         "",
         f"Every row built in one process; each of {args.rounds} rounds steps every row once; a row's time",
         "over timm plain's in the same round, median and spread over the rounds. Random-weight timm",
-        f"models, batch {BATCH} of {SIZE}x{SIZE}, fp32, {args.threads} torch thread(s). Saved bytes,",
-        "gradients and fallbacks: benchmarks/results/train_step.md.",
+        f"models{weakened}, batch {BATCH} of {SIZE}x{SIZE}, fp32, {args.threads} torch thread(s).",
+        "Saved bytes, gradients and fallbacks: benchmarks/results/train_step.md.",
         "",
         *markdown_table(HEADERS, table, text_columns=3),
         "",

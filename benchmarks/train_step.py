@@ -149,8 +149,35 @@ class Result:
 
 
 # -- the child: one configuration in a fresh process ----------------------------------------------
-def build(model_name: str, row: Row, steps: str) -> nn.Module:
+WEIGHTS = ("random", "trained-like")
+TRAINED_LIKE_BRANCH_SCALE = 0.2
+"""``--weights trained-like``: every residual branch's last norm gain (what timm's ``zero_init_last``
+zeroes) times this, so in [0.1, 0.3] instead of ``make_test_model``'s [0.5, 1.5]. Random branches at
+full strength compound over a deep stage as no trained network's do: resnet152's 36-block layer3
+multiplies its input's magnitude by 2^30 (activations of 4e11), past any exact lattice, so every
+reversible pass falls back. Trained branches are weak: the corpus's briefly trained resnet18 and
+resnet26d have last-BN gains of median 0.002..0.09 per block (benchmarks/corpus.py); at 0.2 times
+the random gains resnet152's layer3 grows its input 2^2.1-fold, inside the 2^4.4 of the corpus's
+trained stages (results/lattice_range.md). Only the fallbacks depend on the weights' values."""
+
+
+def _weaken_branches(model: nn.Module, scale: float) -> None:
+    """Scale, in place, every parameter a block's ``zero_init_last`` would zero (timm's last-norm gains)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if not callable(getattr(module, "zero_init_last", None)):
+                continue
+            before = {name: p.clone() for name, p in module.named_parameters()}
+            module.zero_init_last()
+            for name, p in module.named_parameters():
+                zeroed = not p.any() and before[name].any()
+                p.copy_(before[name] * scale if zeroed else before[name])
+
+
+def build(model_name: str, row: Row, steps: str, weights: str = "random") -> nn.Module:
     model = make_test_model(model_name)
+    if weights == "trained-like":
+        _weaken_branches(model, TRAINED_LIKE_BRANCH_SCALE)
     if row.integrator is None:
         model.set_grad_checkpointing(row.grad_checkpointing)
         return model.train()
@@ -165,7 +192,7 @@ def build(model_name: str, row: Row, steps: str) -> nn.Module:
 
 def child(args: argparse.Namespace) -> None:
     row = ROWS[args.row]
-    model = build(args.model, row, args.steps)
+    model = build(args.model, row, args.steps, args.weights)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, 3, SIZE, SIZE, generator=g)
     labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
@@ -264,11 +291,11 @@ def profile(step) -> dict[str, float]:
 
 
 # -- the parent: one process per configuration ------------------------------------------------
-def measure(model: str, row: str, steps: str, repeats: int, profiled: bool) -> Result:
+def measure(model: str, row: str, steps: str, repeats: int, profiled: bool, weights: str) -> Result:
     """Run one configuration in a fresh process and read its result."""
     arguments = [
         "--model", model, "--row", row, "--steps", steps, "--repeats", str(repeats),
-        *(["--profile"] if profiled else []),
+        "--weights", weights, *(["--profile"] if profiled else []),
     ]  # fmt: skip
     return Result(**run_child(__file__, arguments, f"{model} / {row} / {steps}"))
 
@@ -483,14 +510,21 @@ def markdown(
     png: str,
     load_before: str,
     failures: list[str],
+    weights: str = "random",
 ) -> str:
+    weakened = (
+        f", every residual branch's last-norm gain scaled by {TRAINED_LIKE_BRANCH_SCALE} (`--weights "
+        "trained-like`: a trained network's branch strength, see the script)"
+        if weights == "trained-like"
+        else ""
+    )
     lines = [
         "# Whole-model training step: timm against odeify's backward modes",
         "",
-        f"Random-weight timm models (non-zero branches, randomised BN statistics), batch {BATCH} of "
-        f"{SIZE}x{SIZE} images, fp32, cross-entropy, CPU. One process per configuration; 'step s' is "
-        f"the median wall time of {repeats[0]} steps ({repeats[1]} at 4x steps) after a warm-up and a "
-        "measured step. See the script's docstring for the columns.",
+        f"Random-weight timm models (non-zero branches, randomised BN statistics{weakened}), batch "
+        f"{BATCH} of {SIZE}x{SIZE} images, fp32, cross-entropy, CPU. One process per configuration; "
+        f"'step s' is the median wall time of {repeats[0]} steps ({repeats[1]} at 4x steps) after a "
+        "warm-up and a measured step. See the script's docstring for the columns.",
         "",
         *markdown_table(HEADERS, (cells(r, results) for r in results), text_columns=3),
         "",
@@ -570,6 +604,13 @@ def main(argv: list[str] | None = None) -> int:
         help="every odeify row at 4x steps on every model (default: resnet152 only reverse and reversible)",
     )
     parser.add_argument("--profile", action="store_true", help="add a profile of resnet50's native rows")
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="random",
+        help="random: make_test_model's, every branch at full strength (default); trained-like: "
+        "residual branches' last-norm gains scaled to a trained network's strength",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "train_step.md", help="Markdown record")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=MODEL_CHOICES, help=argparse.SUPPRESS)
@@ -591,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         profiled = args.profile and model == "resnet50" and steps == "native" and row in PROFILED
         repeats = args.repeats if steps == "native" else args.repeats_x4
         try:
-            results.append(measure(model, row, steps, repeats, profiled))
+            results.append(measure(model, row, steps, repeats, profiled, args.weights))
         except RuntimeError as error:  # keep the other rows; the record says what failed
             failures.append(str(error).splitlines()[0] + " " + str(error).splitlines()[-1])
             print(f"  {failures[-1]}", file=sys.stderr, flush=True)
@@ -612,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
 
     command = command_line(__file__, argv)
     png = args.output.with_suffix(".png")
-    text = markdown(results, command, (args.repeats, args.repeats_x4), png.name, load_before, failures)
+    repeats = (args.repeats, args.repeats_x4)
+    text = markdown(results, command, repeats, png.name, load_before, failures, args.weights)
     atomic_write_bytes(args.output, text.encode())
     plot(results, png)
     print(f"wrote {args.output} and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)
