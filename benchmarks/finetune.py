@@ -92,11 +92,13 @@ CLI_FLAGS = {"integrator": "--integrator", "steps": "--steps", "knots": "--knots
 AUGMENTATIONS = {
     "as trained": {"hflip": float(TRAIN_PY_RECIPE["--hflip"])},
     "timm's defaults": {},
+    "none": {"no_aug": True},
 }
 """The image-folder models' training augmentation, by label: the flags the corpus's train.py runs
 were trained with where they differ from timm's defaults (``--hflip 0``: digits are not
 mirror-symmetric), as a train.py user passes them again; or timm's defaults (flip half the images).
-The digits models train on tensors, unaugmented, under either."""
+``none`` is train.py's ``--no-aug`` (resize and centre-crop only): the ViT's experiments (issue 23).
+The digits models train on tensors, unaugmented, under every label."""
 
 
 def candidates() -> dict[str, Any]:
@@ -134,6 +136,9 @@ def candidates() -> dict[str, Any]:
         "lr 3e-4, 6 epochs, AdamW eps 1e-6": replace(before, lr=3e-4, epochs=6, opt_eps=1e-6),
         "lr 1e-3, 6 epochs": replace(before, lr=1e-3, epochs=6),  # the ViT (issue 23)
         "lr 3e-4, 20 epochs": replace(before, lr=3e-4, epochs=20),
+        "lr 3e-4, 20 epochs, EMA": replace(before, lr=3e-4, epochs=20, ema_decay=0.998),
+        "lr 3e-4, 6 epochs, batch 32": replace(before, lr=3e-4, epochs=6, batch_size=32),
+        "lr 3e-4, 6 epochs, batch 16": replace(before, lr=3e-4, epochs=6, batch_size=16),
     }
 
 
