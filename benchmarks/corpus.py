@@ -9,7 +9,8 @@ that benchmarks and tests can check odeify on them (docs/corpus.md says what it 
   of the shipped digits model (``odeify.models.digits.digits_split``), so every model of the corpus
   is scored on the same 359 images;
 - **timm models** (``pretrained=False``, timm's init as timm makes it, zero-init of the last BN of
-  each residual branch included): resnet18, resnet26d, resnetv2_18 (pre-activation) and a 6-block
+  each residual branch included): resnet18, resnet26d, resnetv2_18 (pre-activation), resnet50,
+  resnet101 (a stage of 22 blocks; neither in a ``--quick`` corpus unless named) and a 6-block
   ViT-Tiny (``vit_tiny_patch16_224`` with img_size=32, patch_size=8, depth=6), each trained as
   timm's ``train.py`` trains for the flags of a quick run (``TRAIN_PY_RECIPE``: AdamW via
   ``create_optimizer_v2``, lr 1e-3, weight decay 0.05, batch 64, 14 epochs of 22 steps (the ViT
@@ -87,6 +88,8 @@ TIMM_MODELS: dict[str, Flags] = {  # corpus name: the train.py flags that choose
     "resnet18": {"--model": "resnet18"},
     "resnet26d": {"--model": "resnet26d"},
     "resnetv2_18": {"--model": "resnetv2_18"},  # the smallest pre-activation ResNetV2 timm has
+    "resnet50": {"--model": "resnet50"},  # bottlenecks; layer3 a run of 6
+    "resnet101": {"--model": "resnet101"},  # a deep stage: layer3 a run of 23 (issue 22's ALF default)
     "vit6": {  # a 6-block ViT-Tiny on 4x4 patches of 8x8 pixels; a ViT from scratch needs more epochs
         "--model": "vit_tiny_patch16_224",
         "--model-kwargs": ("img_size=32", "patch_size=8", "depth=6"),
@@ -126,9 +129,16 @@ class CorpusError(OdeifyError):
     """The corpus cannot be made as asked (an unknown model, an index made with other settings)."""
 
 
-def model_names() -> list[str]:
-    """Every model of the default corpus: the timm models, then the digits models by seed."""
-    return [*TIMM_MODELS, *(f"digits_seed{seed}" for seed in DIGITS_SEEDS)]
+NOT_QUICK = ("resnet50", "resnet101")
+"""Models a ``--quick`` corpus leaves out unless named: the same forms and code path as resnet26d's, and
+their full-size train.py checkpoints (weights, EMA and optimizer state, best and last) would add 2.7 GB."""
+
+
+def model_names(quick: bool = False) -> list[str]:
+    """Every model of the default corpus (of a quick one: without :data:`NOT_QUICK`): the timm
+    models, then the digits models by seed."""
+    timm_models = [name for name in TIMM_MODELS if not (quick and name in NOT_QUICK)]
+    return [*timm_models, *(f"digits_seed{seed}" for seed in DIGITS_SEEDS)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -529,7 +539,7 @@ def make_corpus(
     out.mkdir(parents=True, exist_ok=True)
     counts = write_digits_folder(out / DATA, QUICK_PER_CLASS if quick else None)
     index = {"settings": settings, "data": {"folder": DATA, **counts}, "models": index.get("models", {})}
-    for name in models or model_names():
+    for name in models or model_names(quick):
         entry = index["models"].get(name)
         if entry is not None and not force and _complete(out, entry):
             print(f"{name}: in the index, kept (--force remakes it)", flush=True)

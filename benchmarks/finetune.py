@@ -68,7 +68,17 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 CORPUS = REPO / "out" / "corpus"
 CACHE = REPO / "out" / "finetune_bench" / "runs.jsonl"
-MODELS = ("resnet18", "resnet26d", "resnetv2_18", "vit6", "digits_seed0", "digits_seed1", "digits_seed2")
+MODELS = (
+    "resnet18",
+    "resnet26d",
+    "resnetv2_18",
+    "resnet50",
+    "resnet101",
+    "vit6",
+    "digits_seed0",
+    "digits_seed1",
+    "digits_seed2",
+)
 SPLIT_MODELS = ("vit6",)  # its residual runs are period-2 (attention, MLP): one split stage
 TARGET_GAP = 0.5  # points: within 0.5 point of the source's accuracy
 ONE_STEP_LIMIT = 1.0  # points: one step changes accuracy by less than this
