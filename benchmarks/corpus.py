@@ -88,8 +88,8 @@ TIMM_MODELS: dict[str, Flags] = {  # corpus name: the train.py flags that choose
     "resnet18": {"--model": "resnet18"},
     "resnet26d": {"--model": "resnet26d"},
     "resnetv2_18": {"--model": "resnetv2_18"},  # the smallest pre-activation ResNetV2 timm has
-    "resnet50": {"--model": "resnet50"},  # bottlenecks; layer3 a run of 6
-    "resnet101": {"--model": "resnet101"},  # a deep stage: layer3 a run of 23 (issue 22's ALF default)
+    "resnet50": {"--model": "resnet50"},  # bottlenecks; runs [2, 3, 5, 2]
+    "resnet101": {"--model": "resnet101"},  # a deep stage: runs [2, 3, 22, 2] (issue 22's ALF default)
     "vit6": {  # a 6-block ViT-Tiny on 4x4 patches of 8x8 pixels; a ViT from scratch needs more epochs
         "--model": "vit_tiny_patch16_224",
         "--model-kwargs": ("img_size=32", "patch_size=8", "depth=6"),
@@ -131,7 +131,8 @@ class CorpusError(OdeifyError):
 
 NOT_QUICK = ("resnet50", "resnet101")
 """Models a ``--quick`` corpus leaves out unless named: the same forms and code path as resnet26d's, and
-their full-size train.py checkpoints (weights, EMA and optimizer state, best and last) would add 2.7 GB."""
+their files (train.py checkpoints with weights, EMA and optimizer state, best and last) take 2.2 GB
+(0.5 and 1.6 GB in the default corpus)."""
 
 
 def model_names(quick: bool = False) -> list[str]:

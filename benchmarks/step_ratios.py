@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from machine import command_line, provenance, write_results
 from tables import markdown_table
-from train_step import BATCH, CLASSES, MODELS, ROWS, SIZE, STEPS, TRAINED_LIKE_BRANCH_SCALE, WEIGHTS, build
+from train_step import BATCH, CLASSES, MODELS, ROWS, SIZE, STEPS, WEIGHTS, build, weights_phrase
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADERS = (
@@ -106,12 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     table = [
         line for model in args.models for line in measure(model, rows, args.steps, args.rounds, args.weights)
     ]
-    weakened = (
-        f"; every residual branch's last-norm gain scaled by {TRAINED_LIKE_BRANCH_SCALE} (`--weights "
-        "trained-like`: a trained network's branch strength, see train_step.py)"
-        if args.weights == "trained-like"
-        else ""
-    )
+    weakened = weights_phrase(args.weights)
     lines = [
         "# Training-step time against timm plain, interleaved in one process",
         "",

@@ -161,6 +161,16 @@ the random gains resnet152's layer3 grows its input 2^2.1-fold, inside the 2^4.4
 trained stages (results/lattice_range.md). Only the fallbacks depend on the weights' values."""
 
 
+def weights_phrase(weights: str) -> str:
+    """What a results file adds to its model description for ``--weights``: nothing for random."""
+    if weights != "trained-like":
+        return ""
+    return (
+        f", every residual branch's last-norm gain scaled by {TRAINED_LIKE_BRANCH_SCALE} (`--weights "
+        "trained-like`: a trained network's branch strength, see benchmarks/train_step.py)"
+    )
+
+
 def _weaken_branches(model: nn.Module, scale: float) -> None:
     """Scale, in place, every parameter a block's ``zero_init_last`` would zero (timm's last-norm gains)."""
     with torch.no_grad():
@@ -512,12 +522,7 @@ def markdown(
     failures: list[str],
     weights: str = "random",
 ) -> str:
-    weakened = (
-        f", every residual branch's last-norm gain scaled by {TRAINED_LIKE_BRANCH_SCALE} (`--weights "
-        "trained-like`: a trained network's branch strength, see the script)"
-        if weights == "trained-like"
-        else ""
-    )
+    weakened = weights_phrase(weights)
     lines = [
         "# Whole-model training step: timm against odeify's backward modes",
         "",
