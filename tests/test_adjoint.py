@@ -565,6 +565,26 @@ def test_reversible_lattice_holds_states_exactly_up_to_its_bound() -> None:
         assert packed is None and reason in why
 
 
+@pytest.mark.parametrize("half", [Fraction(1, 2), Fraction(1, 8), Fraction(1), Fraction(1, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_increments_made_in_the_input_dtype_are_the_float64_counts(half, dtype) -> None:
+    """At h L / 2 a power of two (up to 1) an increment's counts are made in the input's dtype: they
+    must be the integers float64 arithmetic gives, for tiny, large and exactly tied values."""
+    g = torch.Generator().manual_seed(0)
+    magnitude = torch.tensor([1e-30, 1.0, 1e30]).view(3, 1, 1)  # per sample: q from 2^-126 (clamped) up
+    x = (torch.randn(3, 4, 16, generator=g) * magnitude).to(dtype)
+    lattice = Lattice(x, half)
+    assert lattice._narrow_increments == (half.denominator != 3)
+    field = torch.randn(3, 4, 16, generator=g) * 10.0 ** torch.randint(-8, 4, (3, 4, 16), generator=g)
+    field = (field * magnitude).to(dtype)
+    for finer in (0, 3):
+        scale = float(half * 2**finer) / lattice.quantum
+        ties = (torch.arange(16, dtype=torch.float64) - 7.5) / scale[:, :, 0]  # counts k + 1/2
+        field[:, 0] = ties.to(dtype)
+        want = torch.round(field.double() * scale)  # the float64 oracle: exact product, then round
+        assert torch.equal(lattice.increment(field, x, finer), want)
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(
     ("dtype", "scale", "falls_back"),

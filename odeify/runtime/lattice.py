@@ -106,6 +106,14 @@ class Lattice:
         # without a float64 temporary; fp16 could overflow on the counts, fp64 needs no rounding
         self._via_dtype = self.dtype != torch.float64 and torch.finfo(self.dtype).max > EXACT_COUNTS
         self._quantum_in_dtype = self.quantum.to(self.dtype)
+        # h L / 2 a power of two up to 1 (native depth, 2x, 4x...): field * scale is exact in the dtype
+        # (scale <= 2^126: q >= the smallest normal) and so is its rounding, so an increment's counts
+        # can be made at the dtype's width, then widened: the same integers in 28 bytes a value, not 44
+        # (an increment past the dtype's range, 2^102 times the stage input's largest value in fp32,
+        # is inf here where float64 held it: a state the pack refuses either way, with the reason)
+        self._narrow_increments = self._via_dtype and _is_power_of_two(half_step) and half_step <= 1
+        self._narrow_scales: dict[int, Tensor] = {}
+        self._scratch: Tensor | None = None  # the dtype-wide increment, reused
         self._spare: list[Tensor] = []
         self._points: dict[str, Tensor] = {}  # value()'s reused outputs, one per register
 
@@ -128,7 +136,15 @@ class Lattice:
     def increment(self, field: Tensor, like: Tensor, finer: int = 0) -> Tensor:
         """[h/2 F] in counts of a lattice ``finer`` bits finer than q, in a buffer (release it when done)."""
         scale = self.increment_scale if not finer else self.increment_scale * 2.0**finer
-        return self.buffer(like).copy_(field).mul_(scale).round_()
+        if not self._narrow_increments or field.dtype != self.dtype:
+            return self.buffer(like).copy_(field).mul_(scale).round_()
+        narrow_scale = self._narrow_scales.get(finer)
+        if narrow_scale is None:
+            narrow_scale = self._narrow_scales[finer] = scale.to(self.dtype)
+        if self._scratch is None or self._scratch.shape != field.shape:
+            self._scratch = torch.empty_like(field)
+        narrow = torch.mul(field, narrow_scale, out=self._scratch).round_()
+        return self.buffer(like).copy_(narrow)
 
     @_profiled
     def value(self, counts: Tensor, reuse: str | None = None) -> Tensor:
@@ -233,12 +249,15 @@ class Lattice:
         """The registers in counts from :meth:`pack`'s form (without its q)."""
         residual, *others = packed
         first = torch.empty_like(out, dtype=torch.float64).copy_(out).div_(self.quantum)
+        rebuilt = [torch.empty_like(first) for _ in others]
         if residual is not None:
-            first.add_(residual)
-        rebuilt = [
-            torch.add(first, _expanded(kept)) if how.kept == "relative" else _expanded(kept)
-            for kept, how in zip(others, layout[1:], strict=True)
-        ]
+            # widened in a register's buffer first: adding int8 to float64 takes a slow mixed-dtype path
+            widened = rebuilt[0] if rebuilt else torch.empty_like(first)
+            first.add_(widened.copy_(residual))
+        for register, kept, how in zip(rebuilt, others, layout[1:], strict=True):
+            _expanded(kept, into=register)
+            if how.kept == "relative":
+                register.add_(first)
         return [first, *rebuilt]
 
 
@@ -273,13 +292,18 @@ def _compact(counts: Tensor, largest: float) -> Tensor:
     return counts
 
 
-def _expanded(kept: Tensor) -> Tensor:
-    """The float64 counts :func:`_compact` kept (a new tensor)."""
+def _expanded(kept: Tensor, into: Tensor) -> Tensor:
+    """The float64 counts :func:`_compact` kept, written into ``into`` (a float64 tensor of their shape)."""
     if kept.dtype != torch.uint8:
-        return kept.to(torch.float64, copy=True)
+        return into.copy_(kept)
     sign = (kept[..., -1:] >= 128).to(torch.uint8) * 255  # sign-extend to 8 bytes
     whole = torch.cat([kept, sign.expand(*kept.shape[:-1], 8 - WIDE_BYTES)], dim=-1)
-    return whole.view(torch.int64).squeeze(-1).to(torch.float64)
+    return into.copy_(whole.view(torch.int64).squeeze(-1))
+
+
+def _is_power_of_two(value: Fraction) -> bool:
+    """Whether ``value`` is 2^k for an integer k (numerator and denominator both powers of two)."""
+    return all(n > 0 and n & (n - 1) == 0 for n in (value.numerator, value.denominator))
 
 
 def _quantum(x: Tensor) -> Tensor:
