@@ -22,6 +22,7 @@ from precision import as_float64, assert_as_accurate_as
 import odeify
 from odeify.cli.commands import verify
 from odeify.cli.parser import main
+from odeify.core.errors import ConfigError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.digits import load_digits
 
@@ -565,6 +566,11 @@ def test_each_command_end_to_end_in_a_subprocess(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_demo_writes_its_report(tmp_path: Path) -> None:
+    """Run again over an earlier demo's output (as a second `make demo` is), it replaces that run."""
+    earlier = tmp_path / "finetune"
+    earlier.mkdir()
+    for name in ("best.safetensors", "last.safetensors", "train_state.safetensors", "history.json"):
+        (earlier / name).write_bytes(b"an earlier demo's run")
     done = subprocess.run(
         [sys.executable, "-m", "odeify", "demo", "--out", str(tmp_path), "--epochs", "1"],
         env=ENV, capture_output=True, text=True, timeout=900,
@@ -575,6 +581,45 @@ def test_demo_writes_its_report(tmp_path: Path) -> None:
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)
     assert len(images) == 5 and all((tmp_path / name).read_bytes().startswith(PNG) for name in images)
     assert odeify.load(tmp_path / "finetune" / "best.safetensors") is not None
+    assert not (tmp_path / "finetune.previous").exists()
+
+
+def test_a_failed_demo_run_leaves_the_last_one(tmp_path: Path, monkeypatch) -> None:
+    from odeify.cli import demo
+
+    run = tmp_path / "finetune"
+    run.mkdir()
+    (run / "best.safetensors").write_bytes(b"the last run")
+
+    def killed(*args, out, **kwargs):
+        out.mkdir()
+        (out / "best.safetensors").write_bytes(b"half written")
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(demo, "finetune", killed)
+    native = odeify.convert(str(DEFAULT_MODEL_PATH))
+    with pytest.raises(RuntimeError, match="killed"):
+        demo._finetune(native, None, demo.DEFAULT_RECIPE, tmp_path)
+    assert (run / "best.safetensors").read_bytes() == b"the last run"
+    assert not (tmp_path / "finetune.previous").exists()
+
+
+def test_demo_refuses_a_run_folder_holding_other_files(tmp_path: Path) -> None:
+    """The demo replaces its own last run only: a file it did not write there is named, not deleted."""
+    from odeify.cli.demo import _check_demo_run
+
+    run = tmp_path / "finetune"
+    run.mkdir()
+    (run / "best.safetensors").write_bytes(b"run")
+    (run / ".best.tmp-0123abcd.safetensors").write_bytes(b"a killed write")
+    _check_demo_run(run)  # a run's files only: accepted
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"notes\.txt.*another --out"):
+        _check_demo_run(run)
+    assert (run / "notes.txt").read_text() == "mine"
+    (tmp_path / "file").write_text("a file, not a folder")
+    with pytest.raises(ConfigError, match="file"):
+        _check_demo_run(tmp_path / "file")
 
 
 def test_model_kwargs_build_a_bare_state_dicts_architecture(tmp_path: Path) -> None:

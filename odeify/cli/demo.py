@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import time
 import warnings
 from dataclasses import replace
@@ -26,8 +27,9 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import odeify
-from odeify.core.errors import FallbackWarning
+from odeify.core.errors import ConfigError, FallbackWarning
 from odeify.core.fileio import atomic_write_bytes
+from odeify.core.lock import LOCK_FILE
 from odeify.inspection.plots import (
     plot_conversion_check,
     plot_history,
@@ -40,6 +42,7 @@ from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.datasets import open_data
 from odeify.train.evaluate import evaluate, field_evaluations, saved_for_backward
 from odeify.train.finetune import DEFAULT_RECIPE, finetune, recipe_for
+from odeify.train.state import RUN_FILES
 from odeify.train.sweep import sweep, sweep_markdown
 
 COARSE = {
@@ -166,9 +169,26 @@ def _sweep(native: torch.nn.Module, test: DataLoader, out: Path) -> list[str]:
 def _finetune(native: torch.nn.Module, data, recipe, out: Path) -> list[str]:
     coarse = odeify.retarget(native, **COARSE)
     recipe = recipe_for(coarse, recipe)  # the peak finetune trains it at, for the report
-    result = finetune(
-        coarse, data, recipe, out=out / "finetune", teacher=native, progress=False
-    )  # its epoch lines go to the odeify logger, which the command line prints
+    run, previous = out / "finetune", out / "finetune.previous"
+    for folder in (run, previous):
+        _check_demo_run(folder)
+    if previous.exists():  # a killed demo's: its run is the last complete one, restore it
+        if run.exists():
+            shutil.rmtree(run)
+        previous.rename(run)
+    if run.exists():
+        run.rename(previous)  # the last demo's run, kept until this one is done
+    try:
+        result = finetune(
+            coarse, data, recipe, out=run, teacher=native, progress=False
+        )  # its epoch lines go to the odeify logger, which the command line prints
+    except BaseException:
+        if previous.exists():
+            shutil.rmtree(run, ignore_errors=True)
+            previous.rename(run)
+        raise
+    if previous.exists():
+        shutil.rmtree(previous)
     history = result.history
     plot_history({COARSE_LABEL: history}, out / "finetune.png", title="memory-free fine-tuning")
     plot_weight_path(
@@ -205,6 +225,33 @@ def _finetune(native: torch.nn.Module, data, recipe, out: Path) -> list[str]:
         "![weight path](weight_path.png)",
         "",
     ]
+
+
+def _check_demo_run(folder: Path) -> None:
+    """A rerun of the demo replaces its last fine-tuning run, and nothing else: ``folder`` must be
+    absent or a folder holding only a run's files (raises ConfigError naming what else is there)."""
+    if not folder.exists() and not folder.is_symlink():
+        return
+    if folder.is_symlink() or not folder.is_dir():
+        others = [folder]
+    else:
+        others = [p for p in folder.iterdir() if not _is_run_file(p)]
+    if others:
+        raise ConfigError(
+            f"the demo writes its fine-tuning run to {folder}, which holds what the demo did not write "
+            f"({', '.join(p.name for p in others[:3])}): move it away, or run the demo with another --out"
+        )
+
+
+def _is_run_file(path: Path) -> bool:
+    """A regular file a fine-tuning run writes: an output, its lock, or an output's temporary (a write
+    that was killed)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    if path.name in (*RUN_FILES, LOCK_FILE):
+        return True
+    names = [Path(f) for f in RUN_FILES]
+    return any(path.name.startswith(f".{f.stem}.tmp-") and path.name.endswith(f.suffix) for f in names)
 
 
 def _memory(native: torch.nn.Module, data, out: Path) -> list[str]:
