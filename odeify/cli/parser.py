@@ -23,8 +23,9 @@ from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.recipe import ALF_LR, DEFAULT_LR, DEFAULT_RECIPE
 
 DESCRIPTION = """\
-Compile trained residual networks (timm ResNets) into continuous-in-depth ODE models, then
-retarget, fine-tune (memory-free), evaluate and inspect them.
+Compile trained residual networks (timm ResNets, ConvNeXts, RegNets, MobileNets, EfficientNets,
+ViTs and other transformers) into continuous-in-depth ODE models, then retarget, fine-tune
+(memory-free), evaluate and inspect them.
 
 MODEL is a timm model name (random weights unless --pretrained), a checkpoint file
 (.safetensors/.pth/.pth.tar) or model folder, or nothing: the small digits ResNet that ships
