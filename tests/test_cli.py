@@ -585,6 +585,7 @@ def test_demo_writes_its_report(tmp_path: Path) -> None:
 
 
 def test_a_failed_demo_run_leaves_the_last_one(tmp_path: Path, monkeypatch) -> None:
+    """A demo whose fine-tuning fails puts the last demo's run back where it was."""
     from odeify.cli import demo
 
     run = tmp_path / "finetune"

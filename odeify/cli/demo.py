@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import odeify
 from odeify.core.errors import ConfigError, FallbackWarning
-from odeify.core.fileio import atomic_write_bytes
+from odeify.core.fileio import atomic_write_bytes, is_temp_of
 from odeify.core.lock import LOCK_FILE
 from odeify.inspection.plots import (
     plot_conversion_check,
@@ -250,8 +250,7 @@ def _is_run_file(path: Path) -> bool:
         return False
     if path.name in (*RUN_FILES, LOCK_FILE):
         return True
-    names = [Path(f) for f in RUN_FILES]
-    return any(path.name.startswith(f".{f.stem}.tmp-") and path.name.endswith(f.suffix) for f in names)
+    return any(is_temp_of(path.name, Path(name)) for name in RUN_FILES)
 
 
 def _memory(native: torch.nn.Module, data, out: Path) -> list[str]:

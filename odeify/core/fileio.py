@@ -37,6 +37,7 @@ __all__ = [
     "SafetensorsHeader",
     "atomic_path",
     "atomic_write_bytes",
+    "is_temp_of",
     "read_header",
     "read_json",
     "read_tensors",
@@ -56,6 +57,18 @@ def _temp_name(target: Path) -> Path:
     return target.with_name(f".{target.stem}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}{target.suffix}")
 
 
+def _temp_pattern(target: Path) -> re.Pattern[str]:
+    """The names :func:`_temp_name` gives ``target``'s temporaries (host and pid absent in older odeify)."""
+    return re.compile(
+        rf"\.{re.escape(target.stem)}\.tmp-(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]{{8}}{re.escape(target.suffix)}"
+    )
+
+
+def is_temp_of(name: str, target: Path) -> bool:
+    """Whether a file called ``name`` is a temporary an atomic write of ``target`` made."""
+    return _temp_pattern(target).fullmatch(name) is not None
+
+
 def remove_stale_temps(target: Path) -> list[Path]:
     """Delete temporary siblings of ``target`` whose writer is gone (killed mid-write); return them.
 
@@ -63,9 +76,7 @@ def remove_stale_temps(target: Path) -> list[Path]:
     older than ``STALE_AFTER_S`` (a reused pid, another host), or it has no writer in its name (older
     odeify) and predates this process.
     """
-    pattern = re.compile(
-        rf"\.{re.escape(target.stem)}\.tmp-(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]{{8}}{re.escape(target.suffix)}"
-    )
+    pattern = _temp_pattern(target)
     removed = []
     try:
         siblings = list(target.parent.iterdir())
