@@ -78,7 +78,7 @@ def _stage_row(stage: odeify.ODEStage, x_in: torch.Tensor) -> tuple[str, ...]:
     residual = registers[0] - torch.div(out, lattice.quantum)
     layout = program.scheme.registers
     other = registers[1] - registers[0] if layout[1].kept == "relative" else registers[1].clone()
-    _, packed, _why = lattice.pack(registers, layout)  # consumes the registers after the first
+    _, packed, _why = lattice.pack(registers, program.scheme)  # consumes the registers after the first
     kept, compact = (None, None) if packed is None else packed[:2]
     peak = max(float((p.double().abs() / lattice.quantum).amax()) for p in points)
     growth = float((out.abs().amax(dim=(1, 2, 3)) / x_in.abs().amax(dim=(1, 2, 3))).max())

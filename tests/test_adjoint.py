@@ -541,28 +541,65 @@ def test_a_nan_sample_leaves_the_clean_samples_gradients_exact(integrator, mode)
 
 
 def test_reversible_lattice_holds_states_exactly_up_to_its_bound() -> None:
-    """Counts below 2^52 are kept exactly (int8..int32, 5 bytes, float64: the narrowest that holds them);
-    at 2^52 or non-finite, refused."""
+    """Counts below 2^52 are kept exactly (int8..int32, then 5 to 7 bytes: the narrowest that holds
+    them); at 2^52 or non-finite, refused."""
     x = torch.ones(2, 3)
     grid = Lattice(x, Fraction(1, 8))
-    layout = ReversibleHeun.registers  # y, then z kept as z - y
-    for y_count, d_count, d_type in [
-        (2.0**52 - 2**32, 2**31 - 1, torch.int32),
-        (1e6, -(2.0**35) - 3, torch.uint8),  # 5 bytes per count below 2^39
-        (1e6, 2.0**40, torch.float64),
+    heun = ReversibleHeun()  # y, then z kept as z - y
+    for y_count, d_count, d_type, width in [
+        (2.0**52 - 2**32, 2**31 - 1, torch.int32, None),
+        (1e6, -(2.0**35) - 3, torch.uint8, 5),  # 5 bytes per count below 2^39
+        (1e6, 2.0**40, torch.uint8, 6),
+        (1e6, -(2.0**51) - 1, torch.uint8, 7),
     ]:
         y = torch.full((2, 3), y_count, dtype=torch.float64)
         z = y + d_count
-        out, (residual, d, _), why = grid.pack([y, z.clone()], layout)  # pack consumes z
+        out, (residual, d, _), why = grid.pack([y, z.clone()], heun)  # pack consumes z
         assert torch.equal(out, grid.value(y))
-        assert not why and d.dtype == d_type
+        assert not why and d.dtype == d_type and (width is None or d.shape == (2, 3, width))
         assert residual is None or residual.dtype in (torch.int8, torch.int16, torch.int32)
-        rebuilt = grid.unpack(out, (residual, d), layout)
+        rebuilt = grid.unpack(out, (residual, d), heun)
         assert torch.equal(rebuilt[0], y) and torch.equal(rebuilt[1], z)
     for bad, reason in [(2.0**52, "grew"), (math.inf, "not finite"), (math.nan, "not finite")]:
         y = torch.full((2, 3), bad, dtype=torch.float64)
-        _, packed, why = grid.pack([y, y.clone()], layout)
+        _, packed, why = grid.pack([y, y.clone()], heun)
         assert packed is None and reason in why
+
+
+def test_an_even_register_is_kept_halved_and_rebuilt() -> None:
+    """ALF's p (v_0 = 0) is only ever reflected, so its counts stay even: past int32 it is kept halved,
+    one bit fewer (counts below 2^40 in 5 bytes, where a register of any parity takes 6); MALI's start,
+    v_0 = F, makes p odd, and it is kept whole."""
+    assert AsyncLeapfrog().even_registers == {"p"}
+    assert not AsyncLeapfrog("field").even_registers and not ReversibleHeun().even_registers
+    grid = Lattice(torch.ones(2, 3), Fraction(1, 2))
+    g = torch.Generator().manual_seed(0)
+    z = torch.randint(-(2**30), 2**30, (2, 3), generator=g).double()
+    for scheme, p_counts, width in [
+        (AsyncLeapfrog(), [2.0**40 - 2, -(2.0**40) + 2, 2.0**32 + 2, -6, 0, 4], 5),
+        (AsyncLeapfrog(), [2.0**31, 2.0**31 + 2, -(2.0**31) - 2, 2, 0, 8], 4),
+        (AsyncLeapfrog("field"), [2.0**40 - 1, -(2.0**40) + 1, 2.0**32 + 1, -7, 0, 3], 6),
+    ]:
+        p = torch.tensor(p_counts, dtype=torch.float64).view(2, 3)
+        out, (residual, kept, _), why = grid.pack([z.clone(), p.clone()], scheme)
+        assert not why and kept.dtype == torch.uint8 and kept.shape == (2, 3, width)
+        rebuilt = grid.unpack(out, (residual, kept), scheme)
+        assert torch.equal(rebuilt[0], z) and torch.equal(rebuilt[1], p)
+
+
+def test_the_outputs_residual_is_int16_at_the_edge_unless_a_tie_reaches_it() -> None:
+    """An output of 2^39..2^40 counts bounds its fp32 rounding residual by 2^15, one past int16: the
+    residual itself is looked at, and int16 holds it unless an exact tie of +2^15 is in it."""
+    grid = Lattice(torch.ones(1, 4), Fraction(1, 2))
+    ulp = 2.0**16  # fp32's spacing at 2^39..2^40
+    base = 2.0**39 + 2 * ulp  # an even fp32 mantissa: a tie just above it rounds down to it
+    for offsets, kind in [([0, 1, -(2**15) + 1, 2**15 - 1], torch.int16), ([0, 1, 2**15, 3], torch.int32)]:
+        y = base + torch.tensor([offsets], dtype=torch.float64)
+        out, (residual, d, _), why = grid.pack([y.clone(), y.clone()], ReversibleHeun())
+        assert not why and residual.dtype == kind
+        assert torch.equal(residual.double(), y - out.double() / grid.quantum), "what fp32 rounding left"
+        rebuilt = grid.unpack(out, (residual, d), ReversibleHeun())
+        assert torch.equal(rebuilt[0], y)
 
 
 @pytest.mark.parametrize("half", [Fraction(1, 2), Fraction(1, 8), Fraction(1), Fraction(1, 3)])

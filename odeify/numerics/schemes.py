@@ -117,6 +117,22 @@ class ReversibleScheme:
     def output(self) -> str:
         return self.registers[0].name
 
+    @property
+    def even_registers(self) -> frozenset[str]:
+        """Registers whose counts are always even: they start at zero, and only reflections
+        (``2 about - r`` keeps r's parity) and even multiples change them (ALF's p with v_0 = 0).
+        The forward keeps such a register halved when it is wide: one bit fewer
+        (:meth:`odeify.runtime.lattice.Lattice.pack`)."""
+        ops = (*self.start, *self.step)
+
+        def keeps_parity(op: Op, name: str) -> bool:
+            if isinstance(op, Evaluate) or op.target != name:
+                return True
+            return isinstance(op, Reflect) or op.times % 2 == 0
+
+        zero_start = [r.name for r in self.registers if r.start == "zero"]
+        return frozenset(name for name in zero_start if all(keeps_parity(op, name) for op in ops))
+
 
 @dataclass(frozen=True)
 class ReversibleHeun(ReversibleScheme):

@@ -19,14 +19,15 @@ What the forward keeps of its final registers (:meth:`Lattice.pack`), at any dep
 - its rounding residual in counts, in the narrowest integer type that holds it (int8 while the
   stage grows its input by less than about 2^6 for fp32; nothing when the output is exact in the
   dtype, as in fp64);
-- every other register as int32 counts while they fit (else float64): as its difference from
-  the output (reversible Heun's z - y) or as itself (ALF's p = h/2 v), as the scheme says;
+- every other register as int32 counts while they fit (else in 5 to 7 bytes a count, halved
+  first where the scheme's ops keep it even): as its difference from the output (reversible
+  Heun's z - y) or as itself (ALF's p = h/2 v), as the scheme says;
 - the spacing q per sample.
 
 For fp32 that is 1.25 states beside the output on the models measured (``benchmarks/
-lattice_range.py``), 2.25 where a register outgrows int32. A register past 2^52 counts, or not
-finite (a NaN or inf sample), cannot be kept exactly: :meth:`Lattice.pack` says why, and the
-caller falls back (:mod:`odeify.runtime.reversible`).
+lattice_range.py``), 1.75 where a stage outgrows its input by 2^13 (resnet152's layer3). A
+register past 2^52 counts, or not finite (a NaN or inf sample), cannot be kept exactly:
+:meth:`Lattice.pack` says why, and the caller falls back (:mod:`odeify.runtime.reversible`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor
 
 from odeify.ir.stage_ir import StageIR
-from odeify.numerics.schemes import Register
+from odeify.numerics.schemes import ReversibleScheme
 
 __all__ = ["EXACT_COUNTS", "Lattice", "half_step", "lattice_bits"]
 
@@ -190,15 +191,17 @@ class Lattice:
 
     @_profiled
     def pack(
-        self, registers: Sequence[Tensor], layout: Sequence[Register]
+        self, registers: Sequence[Tensor], scheme: ReversibleScheme
     ) -> tuple[Tensor, tuple[Tensor | None, ...] | None, str]:
         """The output register (the first) rounded to the input's dtype, and the final registers in
-        compact exact form beside it: ``(residual of the output, each other register as ``layout``
-        keeps it, q)``.
+        compact exact form beside it: ``(residual of the output, each other register as the
+        scheme's layout keeps it, q)``.
 
         Consumes the registers (a relative one becomes its difference in place). The compact form
-        is None, with the reason, when the counts cannot hold the state exactly. One device sync.
+        is None, with the reason, when the counts cannot hold the state exactly. One device sync
+        (two when the residual's bound sits exactly on an integer type's edge).
         """
+        layout = scheme.registers
         first = registers[0]
         out, residual = self._rounded(first)
         kinds = [how.kept for how in layout[1:]]
@@ -223,7 +226,8 @@ class Lattice:
                 ),
             )
         kept = None if residual is None else _narrowest(residual, self._half_ulp(first_max))
-        compact = [_compact(t, m) for t, m in zip(others, other_max, strict=True)]
+        even = [how.name in scheme.even_registers for how in layout[1:]]
+        compact = [_compact(t, m, e) for t, m, e in zip(others, other_max, even, strict=True)]
         return out, (kept, *compact, self.quantum), ""
 
     def _rounded(self, counts: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -243,10 +247,9 @@ class Lattice:
         return 2.0 ** (math.frexp(largest)[1] - 1 - mantissa) if largest else 0.0
 
     @_profiled
-    def unpack(
-        self, out: Tensor, packed: Sequence[Tensor | None], layout: Sequence[Register]
-    ) -> list[Tensor]:
+    def unpack(self, out: Tensor, packed: Sequence[Tensor | None], scheme: ReversibleScheme) -> list[Tensor]:
         """The registers in counts from :meth:`pack`'s form (without its q)."""
+        layout = scheme.registers
         residual, *others = packed
         first = torch.empty_like(out, dtype=torch.float64).copy_(out).div_(self.quantum)
         rebuilt = [torch.empty_like(first) for _ in others]
@@ -255,7 +258,7 @@ class Lattice:
             widened = rebuilt[0] if rebuilt else torch.empty_like(first)
             first.add_(widened.copy_(residual))
         for register, kept, how in zip(rebuilt, others, layout[1:], strict=True):
-            _expanded(kept, into=register)
+            _expanded(kept, into=register, even=how.name in scheme.even_registers)
             if how.kept == "relative":
                 register.add_(first)
         return [first, *rebuilt]
@@ -269,36 +272,45 @@ def _largest(t: Tensor) -> Tensor:
 
 
 def _narrowest(counts: Tensor, largest: float, kinds=(torch.int8, torch.int16, torch.int32)) -> Tensor:
-    """``counts`` (float64 integers, |.| <= largest) in the narrowest of ``kinds`` that holds them."""
+    """``counts`` (float64 integers, |.| <= largest) in the narrowest of ``kinds`` that holds them.
+
+    A bound of exactly 2^7, 2^15 or 2^31 (half a unit in the last place, as the output's residual's
+    is) is reached only by exact ties, so there the counts themselves are looked at: one pass, and
+    int16 rather than int32 for a stage whose output is 2^39..2^40 counts.
+    """
     for kind in kinds:
-        if largest <= torch.iinfo(kind).max:
+        limit = torch.iinfo(kind).max
+        if largest == limit + 1:
+            largest = float(_largest(counts))
+        if largest <= limit:
             return counts.to(kind)
     return counts
 
 
-WIDE_BYTES = 5
-"""Counts past int32 but below 2^39 (a register that outgrew its input by 2^5..2^13 in fp32) are kept
-in 5 bytes each, not as float64's 8."""
-
-
-def _compact(counts: Tensor, largest: float) -> Tensor:
-    """A register's counts (float64 integers, |.| <= largest) as int32, as 5 little-endian bytes
-    (uint8, a trailing axis of 5) while below 2^39, else as float64. Undone by :func:`_expanded`."""
+def _compact(counts: Tensor, largest: float, even: bool = False) -> Tensor:
+    """A register's counts (float64 integers, |.| <= largest < 2^52) as int32 while they fit, else in
+    the fewest little-endian bytes that hold them (uint8 with a trailing axis of 5 to 7 bytes, not
+    float64's 8). An ``even`` register (:attr:`ReversibleScheme.even_registers`) is kept halved in
+    that form (4 to 7 bytes): ALF's p on resnet152's 35-block layer3 reaches 2^40 counts, 5 bytes
+    halved where it would take 6. Undone by :func:`_expanded`."""
     if largest <= torch.iinfo(torch.int32).max:
         return counts.to(torch.int32)
-    if largest < 2.0 ** (8 * WIDE_BYTES - 1):
-        whole = counts.to(torch.int64).unsqueeze(-1).view(torch.uint8)  # 8 bytes, little-endian
-        return whole[..., :WIDE_BYTES].contiguous()
-    return counts
+    if even:
+        counts, largest = counts.mul_(0.5), largest / 2  # even integers: exact
+    width = next(k for k in range(4, 8) if largest < 2.0 ** (8 * k - 1))
+    whole = counts.to(torch.int64).unsqueeze(-1).view(torch.uint8)  # 8 bytes, little-endian
+    return whole[..., :width].contiguous()
 
 
-def _expanded(kept: Tensor, into: Tensor) -> Tensor:
+def _expanded(kept: Tensor, into: Tensor, even: bool = False) -> Tensor:
     """The float64 counts :func:`_compact` kept, written into ``into`` (a float64 tensor of their shape)."""
     if kept.dtype != torch.uint8:
         return into.copy_(kept)
+    width = kept.shape[-1]
     sign = (kept[..., -1:] >= 128).to(torch.uint8) * 255  # sign-extend to 8 bytes
-    whole = torch.cat([kept, sign.expand(*kept.shape[:-1], 8 - WIDE_BYTES)], dim=-1)
-    return into.copy_(whole.view(torch.int64).squeeze(-1))
+    whole = torch.cat([kept, sign.expand(*kept.shape[:-1], 8 - width)], dim=-1)
+    into.copy_(whole.view(torch.int64).squeeze(-1))
+    return into.mul_(2) if even else into
 
 
 def _is_power_of_two(value: Fraction) -> bool:

@@ -216,7 +216,7 @@ class LatticeAdjoint(StageFunction):
         context = ForwardContext.capture(x)
         lattice = Lattice(x, half_step(stage))
         registers = _run(program, stage, lattice, context, params[: call.num_knots], lattice.counts(x))
-        out, packed, why = lattice.pack(registers, program.scheme.registers)
+        out, packed, why = lattice.pack(registers, program.scheme)
         if packed is None:
             _note_fallback(call, why)
 
@@ -361,7 +361,7 @@ class _Walk:
         out, *packed, quantum = kept
         self.lattice = Lattice(out, half_step(self.stage), quantum)
         layout = self.program.scheme.registers
-        rebuilt = self.lattice.unpack(out, packed, layout)
+        rebuilt = self.lattice.unpack(out, packed, self.program.scheme)
         self.registers = {r.name: t for r, t in zip(layout, rebuilt, strict=True)}
         self._walk()
         self._check_rebuild()
