@@ -91,8 +91,17 @@ def _stage_row(stage: odeify.ODEStage, x_in: torch.Tensor) -> tuple[str, ...]:
         log2(float(residual.abs().amax())),
         log2(peak),
         "-" if compact is None else "nothing" if kept is None else str(kept.dtype).removeprefix("torch."),
-        "falls back (past 2^52)" if compact is None else str(compact.dtype).removeprefix("torch."),
+        "falls back (past 2^52)"
+        if compact is None
+        else _kept_as(compact, layout[1].name in program.scheme.even_registers),
     )
+
+
+def _kept_as(compact: torch.Tensor, even: bool) -> str:
+    """How a register is kept: an integer type, or a byte count (halved first for an even register)."""
+    if compact.dtype != torch.uint8:
+        return str(compact.dtype).removeprefix("torch.")
+    return f"{compact.shape[-1]} bytes" + (", halved" if even else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         "input' the largest register a field was evaluated at. The forward keeps registers below",
         f"2^52 counts, where the float64 sums are exact (growth below 2^{52 - bits}); the output's",
         "residual to fp32 and the other register are kept in the narrowest integer type that holds",
-        "them (the other register: int32 or float64).",
+        "them (the other register: int32, else 5 to 7 bytes a count, halved first where the",
+        "scheme keeps it even: ALF's p).",
         "",
         *markdown_table(HEADERS, rows, text_columns=3),
         "",
