@@ -25,6 +25,7 @@ increments, when this module loads.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import ClassVar, Literal
@@ -117,12 +118,12 @@ class ReversibleScheme:
     def output(self) -> str:
         return self.registers[0].name
 
-    @property
+    @functools.cached_property
     def even_registers(self) -> frozenset[str]:
         """Registers whose counts are always even: they start at zero, and only reflections
         (``2 about - r`` keeps r's parity) and even multiples change them (ALF's p with v_0 = 0).
         The forward keeps such a register halved when it is wide: one bit fewer
-        (:meth:`odeify.runtime.lattice.Lattice.pack`)."""
+        (:meth:`odeify.runtime.lattice.Lattice.pack`). Derived once per scheme."""
         ops = (*self.start, *self.step)
 
         def keeps_parity(op: Op, name: str) -> bool:
