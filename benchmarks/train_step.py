@@ -11,7 +11,12 @@ stage), at native steps and at 4x steps. The memory-free modes run with the whol
 plan: the parts between stages are checkpointed (``odeify.passes.segments``).
 
 Each configuration runs in a fresh process: build and convert, a warm-up step (builds the step
-graphs, allocates the gradients), one measured step, ``--repeats`` timed steps. Columns:
+graphs, allocates the gradients), one measured step; then ``--repeats`` timed steps, taken in turns
+with the other configurations of its model and steps, whose processes are alive together (each
+round steps every one of them once, in order). A change of the machine's speed during the run then
+moves timm plain's steps and the other rows' alike: one process after another, timm plain's own
+median moved 1.67 -> 2.19 s on resnet50 between two runs 16 minutes apart on the shared 2-core
+machine, and its ratios with it. Columns:
 
 - saved: bytes autograd saves for backward during the forward, once per storage, parameters
   excluded (``benchmarks/memory.py``);
@@ -53,7 +58,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from child import report_to_parent, run_child
+from child import SteppedChild, report_to_parent, requests
 from machine import command_line, describe_machine
 from memory import SavedBytes, reset_peak_rss, rss
 from rich.console import Console
@@ -222,7 +227,11 @@ def child(args: argparse.Namespace) -> None:
     reset_peak_rss()
     step(count=True)
     growth = rss("VmHWM") - before
-    timings = [step() for _ in range(args.repeats)]
+    report_to_parent({"ready": True})
+    timings = []
+    for _ in requests():  # the parent's turns: one timed step each
+        timings.append(step())
+        report_to_parent({"wall": timings[-1][0]})
     stages = odeify.converted_stages(model) if row.integrator else []
     result = Result(
         model=args.model,
@@ -300,14 +309,64 @@ def profile(step) -> dict[str, float]:
     }
 
 
-# -- the parent: one process per configuration ------------------------------------------------
-def measure(model: str, row: str, steps: str, repeats: int, profiled: bool, weights: str) -> Result:
-    """Run one configuration in a fresh process and read its result."""
-    arguments = [
-        "--model", model, "--row", row, "--steps", steps, "--repeats", str(repeats),
-        "--weights", weights, *(["--profile"] if profiled else []),
-    ]  # fmt: skip
-    return Result(**run_child(__file__, arguments, f"{model} / {row} / {steps}"))
+# -- the parent: one process per configuration, steps taken in turns -------------------------------
+Configuration = tuple[str, str, str]  # (model, row, steps)
+
+
+def measure_together(
+    group: list[Configuration], repeats: dict[str, int], profiled: set[Configuration], weights: str
+) -> tuple[list[Result], list[str]]:
+    """Run ``group``'s configurations in fresh processes that are alive together, and read their results.
+
+    Each process is built, warmed up and measured (saved bytes, RSS growth) while the others wait;
+    then the timed steps go round: every round steps each configuration once, in order. Returns the
+    results in ``group``'s order and one line per configuration that failed (the others go on).
+    """
+    children: dict[Configuration, SteppedChild] = {}
+    failures: list[str] = []
+
+    def failed(config: Configuration, error: RuntimeError) -> None:
+        failures.append(str(error).splitlines()[0] + " " + str(error).splitlines()[-1])
+        print(f"  {failures[-1]}", file=sys.stderr, flush=True)
+        children.pop(config, None)
+
+    for config in group:
+        model, row, steps = config
+        arguments = [
+            "--model", model, "--row", row, "--steps", steps, "--weights", weights,
+            *(["--profile"] if config in profiled else []),
+        ]  # fmt: skip
+        try:
+            children[config] = SteppedChild(__file__, arguments, f"{model} / {row} / {steps}")
+        except RuntimeError as error:
+            failed(config, error)
+    try:
+        for turn in range(max(repeats[steps] for _, _, steps in group)):
+            for config, child in list(children.items()):
+                if turn < repeats[config[2]]:
+                    try:
+                        child.step()
+                    except RuntimeError as error:
+                        failed(config, error)
+        results = []
+        for config, child in list(children.items()):  # one at a time: the gradient checks are heavy
+            try:
+                results.append(Result(**child.finish()))
+            except RuntimeError as error:
+                failed(config, error)
+    finally:
+        for child in children.values():
+            child.kill()
+    return results, failures
+
+
+def groups(configs: list[Configuration]) -> list[list[Configuration]]:
+    """``configs`` by (model, steps), in order: the configurations whose times are compared step by
+    step (every row against timm plain at native steps, ALF against reversible Heun at 4x)."""
+    keyed: dict[tuple[str, str], list[Configuration]] = {}
+    for config in configs:
+        keyed.setdefault((config[0], config[2]), []).append(config)
+    return list(keyed.values())
 
 
 FLAT_ROWS = ("odeify reverse", *REVERSIBLE_ROWS)
@@ -508,9 +567,11 @@ NOTES = """Reading the numbers:
   reversible state to 2^40 times its input at native steps, past the lattice's exact range (2^26
   for fp32 inputs): those passes fall back to recomputing the states from the stage input, exactly
   and with the same saved bytes ('fallbacks': 5 of 20), which adds to their time.
-- Step times come from a shared 2-core machine; the load average before and after the run is
-  recorded below. Ratios to timm plain are from the same run; CPU-time ratios are less sensitive
-  to other processes than wall-time ratios."""
+- Step times come from a shared 2-core machine; the load average at the start of the run is
+  recorded below. Ratios to timm plain are from the same run, the rows of one model and steps
+  stepping in turns, so a change of the machine's speed moves them alike (the 4x rows' ratios to
+  timm plain are across two such groups); CPU-time ratios are less sensitive to other processes
+  than wall-time ratios."""
 
 
 def markdown(
@@ -527,9 +588,11 @@ def markdown(
         "# Whole-model training step: timm against odeify's backward modes",
         "",
         f"Random-weight timm models (non-zero branches, randomised BN statistics{weakened}), batch "
-        f"{BATCH} of {SIZE}x{SIZE} images, fp32, cross-entropy, CPU. One process per configuration; "
-        f"'step s' is the median wall time of {repeats[0]} steps ({repeats[1]} at 4x steps) after a "
-        "warm-up and a measured step. See the script's docstring for the columns.",
+        f"{BATCH} of {SIZE}x{SIZE} images, fp32, cross-entropy, CPU. One process per configuration, "
+        "those of one model and steps alive together; 'step s' is the median wall time of "
+        f"{repeats[0]} steps ({repeats[1]} at 4x steps) after a warm-up and a measured step, taken in "
+        "turns (every round steps each configuration of the model and steps once). See the script's "
+        "docstring for the columns.",
         "",
         *markdown_table(HEADERS, (cells(r, results) for r in results), text_columns=3),
         "",
@@ -633,21 +696,25 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results: list[Result] = []
     failures: list[str] = []
-    for model, row, steps in configurations(args.models, args.rows, args.steps, args.every_deep):
-        profiled = args.profile and model == "resnet50" and steps == "native" and row in PROFILED
-        repeats = args.repeats if steps == "native" else args.repeats_x4
-        try:
-            results.append(measure(model, row, steps, repeats, profiled, args.weights))
-        except RuntimeError as error:  # keep the other rows; the record says what failed
-            failures.append(str(error).splitlines()[0] + " " + str(error).splitlines()[-1])
-            print(f"  {failures[-1]}", file=sys.stderr, flush=True)
-            continue
-        r = results[-1]
-        print(
-            f"  {model} {row:32s} {steps:6s} {r.saved / MB:7.0f} MiB {r.time:7.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+    repeats = {"native": args.repeats, "x4": args.repeats_x4}
+    configs = configurations(args.models, args.rows, args.steps, args.every_deep)
+    profiled = {
+        (model, row, steps)
+        for model, row, steps in configs
+        if args.profile and model == "resnet50" and steps == "native" and row in PROFILED
+    }
+    for group in groups(configs):
+        done, failed = measure_together(group, repeats, profiled, args.weights)
+        results += done
+        failures += failed
+        for r in done:
+            print(
+                f"  {r.model} {r.row:32s} {r.steps:6s} {r.saved / MB:7.0f} MiB {r.time:7.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    order = {config: i for i, config in enumerate(configs)}
+    results.sort(key=lambda r: order[(r.model, r.row, r.steps)])
 
     table = Table(title="one training step", caption="; ".join(targets(results)))
     for i, header in enumerate(HEADERS):
@@ -658,8 +725,8 @@ def main(argv: list[str] | None = None) -> int:
 
     command = command_line(__file__, argv)
     png = args.output.with_suffix(".png")
-    repeats = (args.repeats, args.repeats_x4)
-    text = markdown(results, command, repeats, png.name, load_before, failures, args.weights)
+    counts = (args.repeats, args.repeats_x4)
+    text = markdown(results, command, counts, png.name, load_before, failures, args.weights)
     atomic_write_bytes(args.output, text.encode())
     plot(results, png)
     print(f"wrote {args.output} and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)
