@@ -577,6 +577,8 @@ def test_demo_writes_its_report(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Warning" not in done.stderr, done.stderr[-3000:]  # the report counts reverse's fallbacks
+    # captured output is not a terminal: a line per part, no bar redraws (as in `make demo > log`)
+    assert "demo part 2/4: sweep" in done.stdout and "|" not in done.stderr, done.stderr[-3000:]
     report = (tmp_path / "report.md").read_text()
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report)
     assert len(images) == 5 and all((tmp_path / name).read_bytes().startswith(PNG) for name in images)

@@ -42,6 +42,7 @@ from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.datasets import open_data
 from odeify.train.evaluate import evaluate, field_evaluations, saved_for_backward
 from odeify.train.finetune import DEFAULT_RECIPE, finetune, recipe_for
+from odeify.train.progress import LOGGER, bar_wanted
 from odeify.train.state import RUN_FILES
 from odeify.train.sweep import sweep, sweep_markdown
 
@@ -103,9 +104,11 @@ def _tour(out: Path, epochs: int | None) -> Path:
         ("fine-tuning", lambda: _finetune(native, data, recipe, out)),
         ("memory", lambda: _memory(native, data, out)),
     ]
-    with tqdm(steps, desc="demo", unit="part") as bar:
-        for label, step in bar:
+    with tqdm(steps, desc="demo", unit="part", disable=not bar_wanted()) as bar:
+        for number, (label, step) in enumerate(bar, start=1):
             bar.set_postfix_str(label)
+            if bar.disable:  # a log file or a pipe: a line per part instead of the bar's redraws
+                LOGGER.info(f"demo part {number}/{len(steps)}: {label}")
             sections += step()
     sections += [
         f"Total time: {time.perf_counter() - started:.0f} s. Machine: {_machine()}. Reproduce with "

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_LOG_INTERVAL",
     "LOGGER",
     "BatchProgress",
+    "bar_wanted",
     "epoch_line",
     "extension_note",
     "finished_note",
@@ -57,7 +58,7 @@ class BatchProgress:
         self.done, self.started, self.bar, self.lines = 0, time.perf_counter(), None, False
         if not show:
             return
-        if _tqdm_disabled() or not sys.stderr.isatty():
+        if not bar_wanted():
             self.lines = True
             return
         from tqdm import tqdm
@@ -82,9 +83,11 @@ class BatchProgress:
             self.bar.close()
 
 
-def _tqdm_disabled() -> bool:
-    """TQDM_DISABLE set to a true value, as tqdm reads it."""
-    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
+def bar_wanted() -> bool:
+    """Whether progress is a tqdm bar: only on a terminal (a bar's redraws garble a log file or a
+    pipe, where progress is log lines instead) and not with TQDM_DISABLE set true, as tqdm reads it."""
+    disabled = os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
+    return sys.stderr.isatty() and not disabled
 
 
 def teacher_line(teacher_accuracy: float, start: float, recipe: Recipe) -> str:
