@@ -149,6 +149,7 @@ def candidates() -> dict[str, Any]:
         "lr 3e-4, 20 epochs": replace(before, lr=3e-4, epochs=20),
         "lr 3e-4, 20 epochs, EMA": replace(before, lr=3e-4, epochs=20, ema_decay=0.998),
         "lr 3e-4, 40 epochs": replace(before, lr=3e-4, epochs=40),  # the ViT's schedule, to its end
+        "lr 3e-4, 40 epochs, EMA": replace(before, lr=3e-4, epochs=40, ema_decay=0.998),
         "lr 3e-4, 6 epochs, batch 32": replace(before, lr=3e-4, epochs=6, batch_size=32),
         "lr 3e-4, 6 epochs, batch 16": replace(before, lr=3e-4, epochs=6, batch_size=16),
     }
