@@ -551,9 +551,12 @@ def make_corpus(
         else:
             seed_of_digits = int(name.removeprefix("digits_seed"))
             entry = _make_digits_model(seed_of_digits, out, quick=quick, threads=threads)
-        entry.update(command=command, threads=threads, load=machine_info()["load"])
+        machine = machine_info()
+        entry.update(command=command, threads=threads, load=machine["load"])
         index["models"][name] = entry
-        index.update(timm=timm.__version__, torch=torch.__version__, cpu=machine_info()["cpu"])
+        index.update(
+            timm=timm.__version__, torch=torch.__version__, cpu=machine["cpu"], kernels=machine["kernels"]
+        )
         atomic_write_bytes(out / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         print(f"{name}: val top-1 {entry['val_top1']:.4f}, {entry['train_seconds']} s", flush=True)
     return index

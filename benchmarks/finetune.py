@@ -457,11 +457,20 @@ def _meets(entry: dict[str, Any], source: float) -> bool:
     return after >= source - TARGET_GAP - 1e-9 and after >= before - 1e-9
 
 
+def _corpus_origin(index: dict[str, Any]) -> str:
+    """Where the corpus was trained: another machine's float32 kernels train other weights
+    (docs/corpus.md), so a results file says which corpus its cells are of."""
+    if "kernels" not in index:  # an index from before the kernels were recorded
+        return f"(corpus trained on {index.get('cpu', 'an unrecorded CPU')})."
+    return f"(corpus trained on {index['cpu']}, {index['kernels']} kernels)."
+
+
 def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None) -> list[str]:
     entries = list(cache.values())
     sources = _sources(entries)
     runs = [e for e in entries if e["key"]["via"] != "source" and e["key"]["model"] in sources]
-    val = json.loads((corpus / "corpus.json").read_text())["data"]["val"]
+    index = json.loads((corpus / "corpus.json").read_text())
+    val = index["data"]["val"]
     made = {e["key"]["manifestation"] for e in runs}
     columns = [ONE_STEP, *[m for m in [ONE_STEP_ALF, *MANIFESTATIONS] if m in made]]
     lines = [
@@ -481,7 +490,7 @@ def report(cache: dict[str, dict[str, Any]], corpus: Path, seconds: float | None
         "learning rate changes accuracy by less than "
         f"{ONE_STEP_LIMIT} point. A bold cell misses its target. Sources: "
         + ", ".join(f"{m} {a:.2f}%" for m, a in sources.items())
-        + ".",
+        + f" {_corpus_origin(index)}",
         "",
     ]
     for via, recipe, augmentation in _sections(runs):

@@ -17,7 +17,9 @@ from odeify.core.fileio import atomic_write_bytes
 
 
 def machine_info() -> dict[str, str]:
-    """nproc, CPU model, torch version and threads, Python version and the load average."""
+    """nproc, CPU model, torch's CPU kernels, torch version and threads, Python version and the load
+    average. The kernels (``torch.backends.cpu.get_cpu_capability()``: AVX2, AVX512, ...) are named
+    because float32 results, and the weights a training run ends with, depend on them."""
     cpu = platform.processor() or "unknown"
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -28,6 +30,7 @@ def machine_info() -> dict[str, str]:
     return {
         "nproc": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
         "cpu": cpu,
+        "kernels": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
         "python": platform.python_version(),
@@ -40,8 +43,8 @@ def describe_machine(device: str = "cpu", with_load: bool = True) -> str:
     info = machine_info()
     gpu = f", GPU {torch.cuda.get_device_name()}" if device == "cuda" else ""
     text = (
-        f"{info['nproc']} CPUs (nproc; {info['cpu']}){gpu}, torch {info['torch']} with "
-        f"{info['threads']} threads, Python {info['python']}"
+        f"{info['nproc']} CPUs (nproc; {info['cpu']}, {info['kernels']} kernels){gpu}, torch {info['torch']} "
+        f"with {info['threads']} threads, Python {info['python']}"
     )
     return f"{text}; load average (1, 5, 15 min) at the end: {info['load']}" if with_load else text
 
