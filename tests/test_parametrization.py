@@ -189,11 +189,19 @@ def test_fold_records_and_sources_survive_save_and_load(digits, tmp_path: Path) 
 
 
 def test_a_file_from_before_fold_records_loads_and_computes_the_same() -> None:
-    expected = safetensors.torch.load_file(str(DATA / "digits_v0_logits.safetensors"))
+    """The logits stored with the old files were computed in float32 on another machine, whose
+    kernels round differently (bit-equality held on AVX-512 machines and failed on an AVX2 one): the
+    stored logits are judged, as this run's float32 logits are, by the loaded model in float64."""
+    stored = safetensors.torch.load_file(str(DATA / "digits_v0_logits.safetensors"))
+    x = stored["input"]
     for name in ("native", "linear2"):
         model = odeify.load(DATA / f"digits_{name}_v0.safetensors")
         with torch.no_grad():
-            assert torch.equal(model(expected["input"]), expected[name]), name
+            here, exact = model(x), as_float64(model)(x.double())
+        # measured on an AVX2 machine: the stored logits' relative error is 0.31x / 0.21x this run's
+        # (native / linear2; its 8-ulp floor); stored logits off by 1e-4 fail by 70x: loading other
+        # weights would be off by far more than rounding
+        assert_as_accurate_as({name: stored[name]}, {name: here}, {name: exact}, factor=4)
         assert not SourceCoordinates(model).layers  # no records: its folded tensors train as they are
 
 
