@@ -190,7 +190,7 @@ def test_fold_records_and_sources_survive_save_and_load(digits, tmp_path: Path) 
 
 def test_a_file_from_before_fold_records_loads_and_computes_the_same() -> None:
     """The logits stored with the old files were computed in float32 on another machine, whose
-    kernels round differently (bit-equality held on AVX-512 machines and failed on an AVX2 one): the
+    kernels round differently (bit-equality held on earlier machines and failed on an AVX2 one): the
     stored logits are judged, as this run's float32 logits are, by the loaded model in float64."""
     stored = safetensors.torch.load_file(str(DATA / "digits_v0_logits.safetensors"))
     x = stored["input"]
