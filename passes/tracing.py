@@ -177,7 +177,9 @@ def annotate_shapes(gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch
         raise TraceError(
             f"The model rejects an input of shape {tuple(input_shape)}: node '{failed.node.name}' "
             f"({failed.node.format_node()}) failed with {failed.cause}. Pass the input size the model "
-            "was built for, e.g. input_size=(1, 3, 224, 224) or `--input-size 3 224 224`."
+            "was built for (a model built with img_size=N takes N x N): `--img-size N` or "
+            "`--input-size C H W` on the command line, input_size=(1, C, H, W) in Python. Without one, the "
+            "size is the model's pretrained_cfg['input_size'] (timm leaves the architecture's default there)."
         ) from failed.cause
 
 

@@ -423,6 +423,8 @@ def _bad_inputs(tmp: Path, converted: Path) -> list[tuple[list[str], str]]:
         (["retarget", str(converted), "-o", out, "--steps", "x0.1"], "'layer1' (4 blocks) 0.4 steps"),
         (["inspect", "resnet5O"], "resnet50"),  # a typo: the message suggests close names
         (["inspect", "vgg11", "--input-size", "3", "32", "32"], "no residual block"),
+        # a ViT built at 32x32 is traced at its pretrained_cfg's 224 unless told: the fix, not 224 again
+        (["inspect", "vit_tiny_patch16_224", "--model-kwargs", "img_size=32", "depth=1"], "`--img-size N`"),
         (["inspect", "resnet18", "--input-size", "3", "64"], "--input-size takes C H W"),
         (["inspect", "resnet18", "--input-size", "0", "64", "64"], "positive"),
         (["inspect", "resnet18", "--input-size", "1", "64", "64"], "channels"),
