@@ -195,6 +195,25 @@ def test_convert_writes_a_verified_file(
     assert digits_accuracy(loaded) == digits_accuracy(source)
 
 
+@pytest.mark.parametrize(
+    ("argv", "inert"),
+    [
+        (["resnet18", *SMALL], 8),  # timm zero-initialises every BasicBlock's bn2 weight
+        (["convnext_atto", *SMALL], 12),  # LayerScale gammas start at 1e-6
+        (["vit_tiny_patch16_224", "--model-kwargs", "img_size=32", "depth=2", "--img-size", "32"], 0),
+        ([], 0),  # the shipped, trained digits model
+    ],
+)
+def test_convert_names_the_scales_that_silence_branches(
+    argv: list[str], inert: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The note beside the check is measured on the source, not assumed of every random-weight model
+    (a random ViT's or MobileNetV2's branches are not silent)."""
+    assert main(["convert", *argv]) == 0
+    note = re.search(r"note: (\d+) scale parameters of the source are zero", capsys.readouterr().err)
+    assert (int(note.group(1)) if note else 0) == inert
+
+
 def test_verify_fails_on_a_wrong_conversion(source: torch.nn.Module) -> None:
     native = odeify.convert(str(DEFAULT_MODEL_PATH))
     with torch.no_grad():

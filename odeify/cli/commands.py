@@ -30,6 +30,7 @@ from odeify.core.fileio import atomic_write_bytes, read_header
 from odeify.core.paths import MODEL_SUFFIX, output_file, output_folder, same_file
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
+from odeify.models.inert_scales import TINY_SCALE, inert_scales
 
 VERIFY_SEED = 0
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
@@ -344,12 +345,9 @@ def run_convert(args: argparse.Namespace) -> int:
             print(_code_listing(converted))
     if check is not None:
         _note(_verify_line(check, shape))
-        if _random_timm_weights(args):
-            _note(
-                f"note: {args.model} has random weights and timm zero-initialises the last norm of each "
-                "residual branch, so its blocks are identities and the check is trivially tight; pass "
-                "--pretrained or a checkpoint file for a real test."
-            )
+        inert = inert_scales(model)
+        if inert:
+            _note(_inert_note(inert, args))
     _note(
         f"wrote {output}" if output is not None else "not saved: pass -o FILE.safetensors to keep the model"
     )
@@ -404,6 +402,22 @@ def _verify_line(check: dict[str, Any], shape: tuple[int, ...]) -> str:
         f"{VERIFY_SEED}): max relative error {check['relative_error']:.3g} "
         f"(max |diff| {check['max_abs_diff']:.3g}; "
         f"tolerance {check['tolerance']:.0e}): {verdict}"
+    )
+
+
+def _inert_note(inert: list[str], args: argparse.Namespace) -> str:
+    """Name the source's parameters that silence residual branches: the check says little of those."""
+    why = (
+        "timm zero-initialises the last norm of each residual branch and starts LayerScales near 0 in "
+        "a model built without weights"
+        if _random_timm_weights(args)
+        else "a model trained briefly or not at all keeps timm's initialisation"
+    )
+    names = ", ".join(inert[:3]) + (f" and {len(inert) - 3} more" if len(inert) > 3 else "")
+    return (
+        f"note: {len(inert)} scale parameters of the source are zero or at most {TINY_SCALE:g} ({names}; "
+        f"{why}): the residual branches they scale output almost nothing, so the check says little "
+        "about those; pass --pretrained or a trained checkpoint for a real test."
     )
 
 
