@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from odeify.core.errors import ModelLoadError
 from odeify.models.archs import build_arch
+from odeify.models.inert_scales import is_per_channel
 
 __all__ = ["make_test_model"]
 
@@ -73,12 +74,11 @@ def _randomize(model: nn.Module) -> None:
     for pname, param in model.named_parameters():
         if param.numel() == 0 or pname.endswith("bias"):
             continue
-        per_channel = param.numel() == (param.shape[0] if param.ndim else 1)  # (C,) or (C, 1, 1, 1)
-        if per_channel and param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+        if is_per_channel(param) and param.numel() > 1 and bool((param == param.flatten()[0]).all()):
             param.uniform_(0.5, 1.5)  # a gain or scale filled with one value: LayerScale, res_scale
         elif bool(param.any()):
             continue
-        elif per_channel:  # zeroed gains/scales
+        elif is_per_channel(param):  # zeroed gains/scales
             param.uniform_(0.5, 1.5)
         else:  # a zeroed conv/linear weight: fan-in scaled normal
             param.normal_().mul_(1.0 / math.sqrt(param[0].numel()))
