@@ -159,7 +159,7 @@ def candidates() -> dict[str, Any]:
 # One run, in its own process
 
 
-def _native(model: str, corpus: Path, augmentation: str | None = None):
+def native_model(model: str, corpus: Path, augmentation: str | None = None):
     """The converted model at native depth and its data; the timm models get their 32x32 data config
     and the training augmentation labelled ``augmentation`` (:data:`AUGMENTATIONS`)."""
     import odeify
@@ -179,12 +179,12 @@ def _native(model: str, corpus: Path, augmentation: str | None = None):
     return native, open_data(corpus / "digits_png", native, Augmentation(**flags)), path
 
 
-def _source_accuracy(model: str, corpus: Path) -> float:
+def source_accuracy(model: str, corpus: Path) -> float:
     import odeify
     from odeify.train.datasets import make_loader
     from odeify.train.evaluate import evaluate
 
-    native, data, path = _native(model, corpus)
+    native, data, path = native_model(model, corpus)
     source = odeify.load_model(path).eval()
     return evaluate(source, make_loader(data.val, 256, train=False)).accuracy
 
@@ -195,7 +195,7 @@ def run_python(key: dict[str, Any], corpus: Path) -> dict[str, Any]:
     from odeify.train.finetune import Recipe, finetune
 
     recipe = Recipe(**key["recipe"])
-    native, data, _ = _native(key["model"], corpus, key["augmentation"])
+    native, data, _ = native_model(key["model"], corpus, key["augmentation"])
     one_step = key["manifestation"] in ONE_STEPS
     settings = ONE_STEPS[key["manifestation"]] if one_step else MANIFESTATIONS[key["manifestation"]]
     model = odeify.retarget(native, **settings) if settings else native
@@ -251,7 +251,7 @@ def _cli_file(model: str, corpus: Path, work: Path) -> tuple[Path, str]:
     if file.exists():
         return file, data
     if model.startswith("digits"):
-        native, _, _ = _native(model, corpus)
+        native, _, _ = native_model(model, corpus)
         with atomic_path(file) as tmp:
             odeify.save(native, tmp)
     else:
@@ -269,7 +269,7 @@ def _child(argv: list[str]) -> None:
     key, corpus, work = json.loads(argv[0]), Path(argv[1]), Path(argv[2])
     wall, cpu = time.perf_counter(), time.process_time()
     if key["via"] == "source":
-        result = {"accuracy": _source_accuracy(key["model"], corpus)}
+        result = {"accuracy": source_accuracy(key["model"], corpus)}
     elif key["via"] == "cli":
         result = run_cli(key, corpus, work)
     else:

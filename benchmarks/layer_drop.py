@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from finetune import CORPUS, RESULTS, TARGET_GAP, _native, _source_accuracy
+from finetune import CORPUS, RESULTS, TARGET_GAP, native_model, source_accuracy
 from machine import command_line, describe_machine
 from tables import markdown_table
 from torch import nn
+
+from odeify.train.datasets import LabelledData
 
 MODEL = "vit6"
 
@@ -45,15 +47,16 @@ def layer_dropped(source: nn.Module, keep: Sequence[int]) -> nn.Module:
     return student
 
 
-def run(keep: Sequence[int], epochs: int, seed: int, corpus: Path) -> dict[str, float]:
-    """One fine-tuning run of the layer-dropped student; validation accuracy before and after (%)."""
+def run(
+    keep: Sequence[int], epochs: int, seed: int, source: nn.Module, data: LabelledData, config: dict[str, Any]
+) -> dict[str, float]:
+    """One fine-tuning run of the layer-dropped student of ``source`` on ``data`` (its data config
+    ``config``), distilling from ``source``; validation accuracy before and after (%)."""
     import odeify
     from odeify.train.finetune import DEFAULT_RECIPE, finetune
 
-    native, data, path = _native(MODEL, corpus, "as trained")
-    source = odeify.load_model(path).eval()
-    student = odeify.convert(layer_dropped(source, keep), input_size=native.pretrained_cfg["input_size"])
-    student.pretrained_cfg = native.pretrained_cfg
+    student = odeify.convert(layer_dropped(source, keep), input_size=config["input_size"])
+    student.pretrained_cfg = config
     result = finetune(
         student, data, replace(DEFAULT_RECIPE, epochs=epochs), seed=seed, teacher=source, progress=False
     )
@@ -65,28 +68,34 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--keep", type=lambda s: s.split(";"), default=["0,2,4", "0,3"], help="block lists, ';'-separated"
+        "--keep",
+        type=lambda s: [[int(k) for k in blocks.split(",")] for blocks in s.split(";")],
+        default=[[0, 2, 4], [0, 3]],
+        help="block lists, ';'-separated (default 0,2,4;0,3)",
     )
     parser.add_argument("--epochs", type=lambda s: [int(e) for e in s.split(",")], default=[6, 20, 40])
     parser.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 (default 2)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--output", type=Path, default=RESULTS / "layer_drop_vit.md")
     args = parser.parse_args(argv)
+    import odeify
     from odeify.core.fileio import atomic_write_bytes
 
-    source = 100 * _source_accuracy(MODEL, args.corpus)
+    native, data, path = native_model(MODEL, args.corpus, "as trained")
+    source = odeify.load_model(path).eval()
+    accuracy = 100 * source_accuracy(MODEL, args.corpus)
     rows, started = [], time.perf_counter()
-    for keep_text in args.keep:
-        keep = [int(k) for k in keep_text.split(",")]
+    for keep in args.keep:
         for epochs in args.epochs:
             for seed in range(args.seeds):
                 t = time.perf_counter()
-                acc = run(keep, epochs, seed, args.corpus)
-                met = acc["end"] >= source - TARGET_GAP and acc["end"] >= acc["start"]
+                acc = run(keep, epochs, seed, source, data, native.pretrained_cfg)
+                met = acc["end"] >= accuracy - TARGET_GAP and acc["end"] >= acc["start"]
                 change = f"{acc['start']:.2f} -> {acc['end']:.2f}"
                 seconds = f"{time.perf_counter() - t:.0f}"
                 verdict = "yes" if met else "no"
-                rows.append([keep_text, str(len(keep)), str(epochs), str(seed), change, verdict, seconds])
+                kept = ",".join(map(str, keep))
+                rows.append([kept, str(len(keep)), str(epochs), str(seed), change, verdict, seconds])
                 print(" | ".join(rows[-1]), flush=True)
     lines = [
         "# Layer-drop baseline for the corpus ViT (issue 23)",
@@ -94,10 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Command: `{command_line(__file__, argv)}`  ",
         f"Machine: {describe_machine()}; {time.perf_counter() - started:.0f} s in all",
         "",
-        f"Source: {MODEL} {source:.2f}% on the 359 validation images (one is 0.28 point); the band is "
-        f"{source - TARGET_GAP:.2f}% or more. Each run: a timm ViT of the source's blocks `kept`, converted "
-        "at native depth, fine-tuned with the default recipe at the epochs given, distilling from the "
-        "source; validation accuracy before -> after (the last epoch's model).",
+        f"Source: {MODEL} {accuracy:.2f}% on the 359 validation images (one is 0.28 point); the band is "
+        f"{accuracy - TARGET_GAP:.2f}% or more. Each run: a timm ViT of the source's blocks `kept`, "
+        "converted at native depth, fine-tuned with the default recipe at the epochs given, distilling "
+        "from the source; validation accuracy before -> after (the last epoch's model).",
         "",
         *markdown_table(["kept blocks", "depth", "epochs", "seed", "accuracy", "target met", "s"], rows),
         "",
@@ -107,4 +116,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
