@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "analyze": "odeify.compiler.analysis",
+    "calibrate": "odeify.train.calibration",
+    "CalibrationReport": "odeify.train.calibration",
     "convert": "odeify.compiler.conversion",
     "converted_stages": "odeify.compiler.conversion",
     "retarget": "odeify.compiler.conversion",
@@ -76,3 +78,5 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
     from odeify.runtime.stage import ODEStage as ODEStage
     from odeify.serialization.io import load as load
     from odeify.serialization.io import save as save
+    from odeify.train.calibration import CalibrationReport as CalibrationReport
+    from odeify.train.calibration import calibrate as calibrate

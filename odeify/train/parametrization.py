@@ -76,14 +76,17 @@ class SourceCoordinates(nn.Module):
 
     Layers whose folded tensors the model does not train (frozen by the caller) are left out; so is
     everything of a model without fold records (a file saved before they existed), whose folded
-    tensors then train as they are.
+    tensors then train as they are. ``within``: the path of one stage, whose layers alone are kept
+    (calibration fits a stage at a time).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, within: str | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
         stages = {id(stage) for stage in converted_stages(model)}
         owners = [("", model)] + [(name, m) for name, m in model.named_modules() if id(m) in stages]
+        if within is not None:
+            owners = [(path, owner) for path, owner in owners if path == within]
         for path, owner in owners:
             for key, record in fold_records(owner).items():
                 scaled = owner.get_parameter(record.scaled)

@@ -1,0 +1,302 @@
+"""Calibration: fit a coarse manifestation's stages to what the source network computes, from images.
+
+``retarget`` makes a cheaper model by reading a stage's weights at fewer steps, or from fewer knots
+fitted to the blocks' weights by least squares. Trained weights are not smooth in depth, so a good
+fit of the weights can be a poor fit of what the stage computes: two knots per stage keep 45-85% of
+a 98% model, a ViT at half its steps 25%. Calibration looks at data instead, as post-training
+quantization's block reconstruction does (AdaRound, BRECQ: each block fitted in turn so that its
+output on a few hundred unlabelled images matches the full-precision network's):
+
+- stage after stage, in graph order, the stage's input is the calibrated model's own activation
+  there (the stages before it already fitted, so errors do not pile up), its target the source
+  network's activation at the stage's end (:func:`odeify.train.manifestations.source_network`, or
+  a ``source`` model given);
+- what is fitted is the stage's knot tensors in the source's coordinates, what fine-tuning trains
+  (:class:`odeify.train.parametrization.SourceCoordinates`: a folded BatchNorm's conv weight, gamma
+  and beta, not the folded product), by Adam on the stage's relative squared error, minibatches of
+  the calibration images, with a cosine learning-rate decay; nothing outside the stages changes;
+- bounded: ``images`` samples, ``iterations`` optimizer steps per stage, and a ``seconds`` budget
+  shared by the stages; deterministic for a seed (on one thread).
+
+The :class:`CalibrationReport` gives each stage's residual, ``||stage(x) - target|| / ||target||`` over
+the calibration images, before and after the fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from odeify.compiler.conversion import check_converted, converted_stages, retarget
+from odeify.core.errors import ConfigError
+from odeify.passes.source import record_stage_source
+from odeify.runtime.stage import ODEStage
+from odeify.train.calibration_data import CalibrationData, calibration_images
+from odeify.train.manifestations import at_source_manifestation, source_network, unknown_source
+from odeify.train.parametrization import SourceCoordinates
+from odeify.train.progress import LOGGER
+
+__all__ = [
+    "DEFAULT_IMAGES",
+    "DEFAULT_ITERATIONS",
+    "CalibrationReport",
+    "StageFit",
+    "calibrate",
+]
+
+DEFAULT_IMAGES = 256
+"""Calibration images by default: PTQ reconstruction's usual few hundred (BRECQ and AdaRound use 1024
+ImageNet images; a stage of a small-input model is fitted as well from 256)."""
+DEFAULT_ITERATIONS = 300
+"""Adam steps per stage by default (measured: docs/finetuning.md, calibration)."""
+DEFAULT_LR = 1e-3
+DEFAULT_BATCH = 64
+HEAD_ROOM = 1e-12  # a target this small in energy has nothing to match: the residual is reported as 0
+
+
+@dataclass
+class StageFit:
+    """One stage's calibration: its relative residual on the calibration images before and after."""
+
+    stage: str
+    before: float
+    after: float
+    iterations: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return (
+            f"{self.stage}: residual {self.before:.4f} -> {self.after:.4f} "
+            f"({self.iterations} steps, {self.seconds:.1f} s)"
+        )
+
+
+@dataclass
+class CalibrationReport:
+    """What :func:`calibrate` did: the images, the time, and each stage's fit."""
+
+    images: int
+    seconds: float
+    stages: list[StageFit] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        head = f"calibrated on {self.images} images in {self.seconds:.1f} s:"
+        return "\n".join([head, *(f"  {fit}" for fit in self.stages)])
+
+
+def calibrate(
+    model: fx.GraphModule,
+    data: CalibrationData,
+    *,
+    images: int = DEFAULT_IMAGES,
+    seconds: float | None = None,
+    iterations: int = DEFAULT_ITERATIONS,
+    lr: float = DEFAULT_LR,
+    batch_size: int = DEFAULT_BATCH,
+    seed: int = 0,
+    source: nn.Module | None = None,
+    progress: bool = True,
+) -> tuple[fx.GraphModule, CalibrationReport]:
+    """A new model of ``model``'s manifestation whose stages match the source network's on ``data``.
+
+    ``data``: unlabelled images (see :func:`odeify.train.calibration_data.calibration_images`); a
+    seeded choice of ``images`` of them is read. ``source``: the network whose activations each stage
+    is fitted to, a converted model at native depth with the same stage names (default: the source
+    network ``model`` keeps). ``seconds`` caps the whole fit (each stage gets an equal share of what
+    is left); ``iterations`` caps each stage. ``progress`` logs a line per stage (logger ``odeify``).
+    Returns the calibrated model, in ``model``'s train/eval mode, and the :class:`CalibrationReport`.
+    """
+    _check_arguments(model, images, seconds, iterations, lr, batch_size, seed)
+    if source is None:
+        _check_fittable(model)
+        source = source_network(model)
+    elif not converted_stages(source):
+        raise ConfigError("calibrate's source must be a converted model (odeify.convert) at native depth.")
+    started = time.perf_counter()
+    x = calibration_images(data, model, images, seed)
+    calibrated = copy.deepcopy(model)
+    for stage in converted_stages(calibrated):
+        record_stage_source(stage)  # its knots are its source only while they are the blocks'
+    work = _with_stage_calls(calibrated)
+    reference = _with_stage_calls(source).eval()
+    paths = _stage_paths(work)
+    missing = [name for name in paths if name not in _stage_paths(reference)]
+    if missing:
+        raise ConfigError(
+            f"calibrate's source has no stage {missing[0]!r}: it must be converted from the same network "
+            f"(its stages: {', '.join(_stage_paths(reference))})."
+        )
+    targets = _activations(reference, _stage_paths(reference), x, batch_size, "output")
+    report = CalibrationReport(images=x.shape[0], seconds=0.0)
+    training = model.training
+    work.eval()
+    generator = torch.Generator().manual_seed(seed)
+    for index, (name, path) in enumerate(paths.items()):
+        inputs = _activations(work, {name: path}, x, batch_size, "input")[name]
+        budget = None
+        if seconds is not None:
+            budget = max(0.0, seconds - (time.perf_counter() - started)) / (len(paths) - index)
+        stage = work.get_submodule(path)
+        coordinates = SourceCoordinates(work, within=path)
+        fit = _fit_stage(
+            stage, coordinates, inputs, targets[name], iterations, budget, lr, batch_size, generator
+        )
+        report.stages.append(fit)
+        if progress:
+            LOGGER.info(f"calibrated {name} ({index + 1}/{len(paths)}):{str(fit).partition(':')[2]}")
+    report.seconds = time.perf_counter() - started
+    calibrated.load_state_dict(work.state_dict())
+    return calibrated.train(training), report
+
+
+def _check_arguments(
+    model: object, images: object, seconds: object, iterations: object, lr: object, batch: object,
+    seed: object,
+) -> None:  # fmt: skip
+    check_converted(model, "calibrate")
+    for name, value in (("images", images), ("iterations", iterations), ("batch_size", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"calibrate's {name} must be a positive integer; got {value!r}.")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not math.isfinite(seconds) or seconds <= 0):  # fmt: skip
+        raise ConfigError(f"calibrate's seconds must be a positive number or None; got {seconds!r}.")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ConfigError(f"calibrate's lr must be a positive number; got {lr!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConfigError(f"calibrate's seed must be an integer in [0, 2^63); got {seed!r}.")
+
+
+def _check_fittable(model: fx.GraphModule) -> None:
+    """Refuse a model that computes its source already, or whose source is not known."""
+    if at_source_manifestation(retarget(model, backward="backprop")):
+        raise ConfigError(
+            "this model runs at native depth with one knot per block (Euler): it computes its source "
+            "network exactly, so calibration has nothing to fit. Calibrate a coarser manifestation, e.g. "
+            "odeify.retarget(model, steps='x0.5') or knots=2."
+        )
+    why = unknown_source(model)
+    if why is not None:
+        raise ConfigError(
+            f"calibration fits the stages to the model's source network, which is not known: {why}. Pass "
+            "source= (the source converted at native depth)."
+        )
+
+
+def _with_stage_calls(model: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``model`` whose graph calls each stage as a module (``checkpoint`` stages), so that a
+    hook sees the stage's input and output; the same function as ``model``."""
+    return retarget(model, backward={s.stage_name: "checkpoint" for s in converted_stages(model)})
+
+
+def _stage_paths(model: nn.Module) -> dict[str, str]:
+    """Each stage's module path, by stage name, in graph order."""
+    paths = {id(m): path for path, m in model.named_modules() if isinstance(m, ODEStage)}
+    return {s.stage_name: paths[id(s)] for s in converted_stages(model)}
+
+
+class _Stop(Exception):
+    """Raised by a hook once the activations wanted are taken: the rest of the forward is not needed."""
+
+
+@torch.no_grad()
+def _activations(
+    model: nn.Module, paths: dict[str, str], x: torch.Tensor, batch_size: int, which: str
+) -> dict[str, torch.Tensor]:
+    """The ``input`` or ``output`` of each named stage of ``model`` on ``x``, batch by batch."""
+    taken: dict[str, list[torch.Tensor]] = {name: [] for name in paths}
+    last = list(paths)[-1]
+
+    def hook_for(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor | None = None) -> None:
+            taken[name].append((args[0] if which == "input" else output).detach())
+            if name == last:
+                raise _Stop
+
+        return hook
+
+    handles = []
+    for name, path in paths.items():
+        module = model.get_submodule(path)
+        register = module.register_forward_pre_hook if which == "input" else module.register_forward_hook
+        handles.append(register(hook_for(name)))
+    try:
+        for batch in x.split(batch_size):
+            try:
+                model(batch)
+            except _Stop:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.cat(values) for name, values in taken.items()}
+
+
+def _fit_stage(
+    stage: ODEStage,
+    coordinates: SourceCoordinates,
+    inputs: torch.Tensor,
+    target: torch.Tensor,
+    iterations: int,
+    budget: float | None,
+    lr: float,
+    batch_size: int,
+    generator: torch.Generator,
+) -> StageFit:
+    """Fit ``stage``'s knots (in source coordinates) so that ``stage(inputs)`` matches ``target``."""
+    started = time.perf_counter()
+    replaced = coordinates.replaced()
+    own = [p for p in stage.knot_tensors() if p.requires_grad and id(p) not in replaced]
+    trained = own + [p for _, p in coordinates.named_sources()]
+    before = _residual(stage, inputs, target, batch_size)
+    if not trained or before == 0.0:
+        return StageFit(stage.stage_name, before, before, 0, time.perf_counter() - started)
+    best = (before, [p.detach().clone() for p in trained])
+    optimizer = torch.optim.Adam(trained, lr=lr)
+    graph = stage.unrolled_graph()
+    n = inputs.shape[0]
+    done = 0
+    for step in range(iterations):
+        if budget is not None and time.perf_counter() - started > budget:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / iterations))
+        pick = torch.randperm(n, generator=generator)[: min(batch_size, n)]
+        x, y = inputs[pick], target[pick]
+        optimizer.zero_grad(set_to_none=True)
+        stage.zero_grad(set_to_none=True)
+        _relative_error(stage.run_graph(graph, (x,)), y).backward()
+        coordinates.pull()
+        optimizer.step()
+        coordinates.push()
+        done += 1
+    after = _residual(stage, inputs, target, batch_size)
+    if not after < best[0]:  # never worse than where it started (a diverged or too short fit)
+        with torch.no_grad():
+            for p, kept in zip(trained, best[1], strict=True):
+                p.copy_(kept)
+            coordinates.push()
+        after = _residual(stage, inputs, target, batch_size)
+    return StageFit(stage.stage_name, before, after, done, time.perf_counter() - started)
+
+
+def _relative_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``||output - target||^2 / ||target||^2`` over the batch."""
+    return (output - target).pow(2).sum() / target.pow(2).sum().clamp_min(HEAD_ROOM)
+
+
+@torch.no_grad()
+def _residual(stage: ODEStage, inputs: torch.Tensor, target: torch.Tensor, batch_size: int) -> float:
+    """``||stage(inputs) - target|| / ||target||`` over all the calibration images."""
+    graph = stage.unrolled_graph()
+    error = energy = 0.0
+    for x, y in zip(inputs.split(batch_size), target.split(batch_size), strict=True):
+        error += float((stage.run_graph(graph, (x,)) - y).double().pow(2).sum())
+        energy += float(y.double().pow(2).sum())
+    return math.sqrt(error / energy) if energy > HEAD_ROOM else 0.0
