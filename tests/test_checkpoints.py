@@ -400,8 +400,8 @@ BAD_DATA_CONFIG = {
         "'input_size' must be [C, H, W]",
     ),  # was read as 224x224
     "unknown interpolation": ({"interpolation": "magic"}, "'interpolation' must be one of"),
-    "NaN crop_pct": ({"crop_pct": float("nan")}, "'crop_pct' must be a number in (0, 2.0], not nan"),
-    "negative crop_pct": ({"crop_pct": -0.5}, "'crop_pct' must be a number in (0, 2.0]"),
+    "NaN crop_pct": ({"crop_pct": float("nan")}, "'crop_pct' must be a number in [0.5, 2.0], not nan"),
+    "negative crop_pct": ({"crop_pct": -0.5}, "'crop_pct' must be a number in [0.5, 2.0]"),
 }
 
 

@@ -53,13 +53,12 @@ def test_image_folder_uses_the_models_transforms(native: torch.nn.Module, tmp_pa
     assert (len(data.train), len(data.val), data.num_classes) == (24, 8, 2)
     x, y = data.val[0]
     assert x.shape == (1, 32, 32) and y == 0  # the model's 1x32x32 input from an 8x8 grey PNG
-    grey = tmp_path / "grey" / "val" / "c"
-    grey.mkdir(parents=True)
-    Image.fromarray(np.full((8, 8), 200, np.uint8), mode="L").save(grey / "a.png")
-    (tmp_path / "grey" / "train" / "c").mkdir(parents=True)
-    Image.fromarray(np.full((8, 8), 200, np.uint8), mode="L").save(
-        tmp_path / "grey" / "train" / "c" / "a.png"
-    )
+    for split in ("train", "val"):
+        for name in ("c", "d"):  # two classes: one is refused
+            (tmp_path / "grey" / split / name).mkdir(parents=True)
+            Image.fromarray(np.full((8, 8), 200, np.uint8), mode="L").save(
+                tmp_path / "grey" / split / name / "a.png"
+            )
     uniform, _ = open_data(tmp_path / "grey", native).val[0]
     expected = (200 / 255 - DIGITS_MEAN) / DIGITS_STD  # resize and crop keep a uniform image uniform
     torch.testing.assert_close(uniform, torch.full_like(uniform, expected), rtol=0, atol=1e-5)

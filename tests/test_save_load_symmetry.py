@@ -121,7 +121,7 @@ CASES = {
     ),
     "an image size of 5000": (_image_5000, "H, W <= 4096"),
     "a 5000-character license": (_license_5k, "'license' must be a short text"),
-    "a NaN crop_pct": (_nan_crop, "'crop_pct' must be a number in (0, 2.0], not nan"),
+    "a NaN crop_pct": (_nan_crop, "'crop_pct' must be a number in [0.5, 2.0], not nan"),
 }
 
 

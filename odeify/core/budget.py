@@ -103,8 +103,11 @@ def check_model_bytes(what: str, nbytes: int) -> None:
     )
 
 
-def check_input_bytes(what: str, shape: tuple[int, ...], itemsize: int) -> None:
-    """Refuse input data of ``shape`` (``itemsize`` bytes per element) over the input limit.
+def check_input_bytes(
+    what: str, shape: tuple[int, ...], itemsize: int, fix: str = "use a smaller input size"
+) -> None:
+    """Refuse input data of ``shape`` (``itemsize`` bytes per element) over the input limit (``fix``
+    says how to ask for less).
 
     ``shape`` may come straight from a file or the command line: its product is computed exactly
     (Python integers), never allocated.
@@ -116,7 +119,7 @@ def check_input_bytes(what: str, shape: tuple[int, ...], itemsize: int) -> None:
         "ODEIFY_MAX_INPUT_BYTES",
         count * itemsize,
         f"{what} of shape {list(shape)} would hold {_gib(count * itemsize)}",
-        "use a smaller input size",
+        fix,
     )
 
 

@@ -32,6 +32,15 @@ __all__ = [
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos", "random")  # timm's names
 CROP_MODES = ("center", "squash", "border")
 MAX_CROP = 2.0  # timm's largest crop_pct is 1.15 (volo_d5_512)
+MIN_CROP = 0.5  # timm's smallest is 0.875; the resize before the crop is the input size / crop_pct
+MEAN_RANGE = (-10.0, 10.0)  # of pixels in [0, 1]; beyond, normalised images are inf or NaN in float32
+STD_RANGE = (1e-3, 10.0)  # timm's stds lie in [0.1, 1]; 1e-320 overflows torchvision's 1/std
+AA_BOUNDS = {"n": 16, "w": 16, "d": 16, "m": 30, "mmax": 30}
+"""The largest numbers an AutoAugment policy string (``--aa``) may hold, by timm's section keys:
+RandAugment's ops per image (``n``, timm has 16 ops), AugMix's chains (``w``) and their depth
+(``d``), the magnitude and its cap (``m``, ``mmax``, timm's scale is 0..10): each costs work per
+image, so a file's ``rand-n100000-m9`` never finished a batch."""
+_AA_SECTION = re.compile(r"([a-z]+)(\d+(?:\.\d*)?)")
 
 
 def _int(lo: int, hi: int) -> Callable[[object], bool]:
@@ -51,10 +60,10 @@ def _size(v: object) -> bool:  # [C, H, W]
     )
 
 
-def _channels(positive: bool) -> Callable[[object], bool]:
+def _channels(lo: float, hi: float) -> Callable[[object], bool]:
     def check(v: object) -> bool:
         ok = isinstance(v, (list, tuple)) and 1 <= len(v) <= MAX_IN_CHANS and all(_number(x) for x in v)
-        return ok and (not positive or all(x > 0 for x in v))  # type: ignore[union-attr]
+        return ok and all(lo <= x <= hi for x in v)  # type: ignore[union-attr]
 
     return check
 
@@ -64,7 +73,18 @@ def _text(limit: int) -> Callable[[object], bool]:
 
 
 def _crop(v: object) -> bool:
-    return _number(v) and 0 < v <= MAX_CROP  # type: ignore[operator]
+    return _number(v) and MIN_CROP <= v <= MAX_CROP  # type: ignore[operator]
+
+
+def aa_policy(v: object) -> bool:
+    """Whether ``v`` is an AutoAugment policy string whose numbers are within :data:`AA_BOUNDS`."""
+    if not _text(100)(v):
+        return False
+    for section in v.split("-")[1:]:  # type: ignore[union-attr]
+        found = _AA_SECTION.fullmatch(section)
+        if found and found[1] in AA_BOUNDS and abs(float(found[2])) > AA_BOUNDS[found[1]]:
+            return False
+    return True
 
 
 def _pair(lo: float, hi: float) -> Callable[[object], bool]:
@@ -87,7 +107,7 @@ _AUGMENTATION_CHECKS: dict[str, Callable[[object], bool]] = {
     "hflip": _fraction,
     "vflip": _fraction,
     "color_jitter": lambda v: _number(v) and 0 <= v <= 10,  # type: ignore[operator]
-    "aa": _text(100),
+    "aa": aa_policy,
     "reprob": _fraction,
 }
 TRAIN_AUGMENTATION_KEYS = tuple(_AUGMENTATION_CHECKS)
@@ -114,11 +134,20 @@ _CHECKS: dict[str, tuple[type, Callable[[object], bool], str]] = {
     "min_input_size": (list, _size, f"[C, H, W] with C in [1, {MAX_IN_CHANS}] and H, W in [1, {MAX_SIDE}]"),
     "fixed_input_size": (bool, lambda v: isinstance(v, bool), "true or false"),
     "interpolation": (str, lambda v: v in INTERPOLATIONS, f"one of {', '.join(INTERPOLATIONS)}"),
-    "crop_pct": (float, _crop, f"a number in (0, {MAX_CROP}]"),
-    "test_crop_pct": (float, _crop, f"a number in (0, {MAX_CROP}]"),
+    "crop_pct": (float, _crop, f"a number in [{MIN_CROP}, {MAX_CROP}]"),
+    "test_crop_pct": (float, _crop, f"a number in [{MIN_CROP}, {MAX_CROP}]"),
     "crop_mode": (str, lambda v: v in CROP_MODES, f"one of {', '.join(CROP_MODES)}"),
-    "mean": (list, _channels(False), f"1 to {MAX_IN_CHANS} finite numbers, one per channel"),
-    "std": (list, _channels(True), f"1 to {MAX_IN_CHANS} positive finite numbers, one per channel"),
+    "mean": (
+        list,
+        _channels(*MEAN_RANGE),
+        f"1 to {MAX_IN_CHANS} finite numbers in [{MEAN_RANGE[0]:g}, {MEAN_RANGE[1]:g}], one per channel",
+    ),
+    "std": (
+        list,
+        _channels(*STD_RANGE),
+        f"1 to {MAX_IN_CHANS} positive finite numbers in [{STD_RANGE[0]:g}, {STD_RANGE[1]:g}], one per "
+        "channel",
+    ),
     "num_classes": (int, _int(0, MAX_NUM_CLASSES), f"an integer in [0, {MAX_NUM_CLASSES}]"),
     "first_conv": (str, _text(100), "a module name"),
     "classifier": (str, _text(100), "a module name"),
@@ -132,7 +161,8 @@ _CHECKS: dict[str, tuple[type, Callable[[object], bool], str]] = {
         dict,
         _train_augmentation,
         "train.py's augmentation settings: no_aug (true/false), scale [lo, hi] in (0, 1], ratio [lo, hi] "
-        "in (0, 100], hflip/vflip/reprob in [0, 1], color_jitter in [0, 10], aa (a policy name)",
+        "in (0, 100], hflip/vflip/reprob in [0, 1], color_jitter in [0, 10], aa (a policy name, its ops n, "
+        "width w and depth d at most 16, its magnitude m and mmax at most 30)",
     ),
 }
 DATA_CONFIG_KEYS: dict[str, type] = {key: kind for key, (kind, _, _) in _CHECKS.items()}

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 from odeify.core.budget import check_input_bytes
 from odeify.core.errors import OdeifyError
 from odeify.core.limits import MAX_NUM_CLASSES
+from odeify.models.data_config import AA_BOUNDS, aa_policy
 from odeify.models.timm_interface import default_input_size
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
 DIGITS = "digits"
 DIGITS_SAMPLES = 1797  # scikit-learn's digits: what open_data("digits") holds in memory, both splits
 VAL_FOLDERS = ("val", "validation")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")  # what PIL reads
 IGNORE_INDEX = -100  # the label cross-entropy skips (torch's default ignore_index)
 LARGE_INPUT = 1e4  # normalised images lie within a few units of 0; raw 0..255 pixels within 255
 
@@ -201,26 +203,91 @@ def _split_folders(root: Path) -> tuple[Path, Path]:
 
 
 def _strict_dataset(folder: Path, mode: str) -> Dataset:
-    """timm's ImageDataset of ``folder`` (one subfolder per class), except that an image it cannot
+    """timm's ImageDataset of ``folder`` as :func:`scan_folder` lists it, except that an image it cannot
     read stops with its path: timm's own logs a warning and returns the next image in its place, so
     an evaluation silently counts another image twice (361 samples of 360)."""
     from PIL import Image
     from timm.data import ImageDataset
+    from timm.data.readers.reader_image_folder import ReaderImageFolder
+
+    class ScannedReader(ReaderImageFolder):
+        def __init__(self, root: Path) -> None:  # timm's reader walks the folder itself, following loops
+            self.root = str(root)
+            self.samples, self.class_to_idx = scan_folder(root)
 
     class StrictImageDataset(ImageDataset):
         def __getitem__(self, index: int):
             file, target = self.reader[index][:2]
+            path = self.filename(index, absolute=True)
             try:
                 image = Image.open(file).convert(self.input_img_mode)  # decodes: a truncated file fails here
             except OSError as exc:
-                path = self.filename(index, absolute=True)
                 raise DataError(
                     f"cannot read the image {path} ({exc}); fix or remove it. odeify does not put another "
                     "image in its place."
                 ) from exc
+            except Image.DecompressionBombError as exc:
+                raise DataError(
+                    f"the image {path} is too large to read safely ({exc}); shrink or remove it."
+                ) from exc
             return (self.transform(image) if self.transform is not None else image), target
 
-    return StrictImageDataset(str(folder), input_img_mode=mode)
+    return StrictImageDataset(str(folder), reader=ScannedReader(folder), input_img_mode=mode)
+
+
+def scan_folder(folder: Path) -> tuple[list[tuple[str, int]], dict[str, int]]:
+    """The images of ``folder`` (an ImageFolder split) with their class indices, and the classes, as timm's
+    reader finds them (a class is an image's folder name; both sorted naturally), except that: only
+    regular files are read (a FIFO would block), a link back to a folder's own ancestor is refused (timm
+    reads the loop until the path is too long), a folder name under two parents and images outside any
+    class folder are refused (timm makes them a class), and what is skipped is named in a warning."""
+    from timm.utils.misc import natural_key
+
+    images: list[tuple[str, str]] = []
+    skipped: list[str] = []
+
+    def walk(directory: str, ancestors: frozenset[str]) -> None:
+        real = os.path.realpath(directory)
+        if real in ancestors:
+            raise DataError(
+                f"{directory} is a link back to a folder it is in ({real}), so the images under it would be "
+                "read again and again; remove the link."
+            )
+        with os.scandir(directory) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                if entry.is_dir():
+                    walk(entry.path, ancestors | {real})
+                elif entry.is_file() and entry.name.lower().endswith(IMAGE_SUFFIXES):
+                    images.append((entry.path, os.path.dirname(os.path.relpath(entry.path, folder))))
+                else:
+                    skipped.append(os.path.relpath(entry.path, folder))
+
+    walk(os.fspath(folder), frozenset())
+    if skipped:
+        warnings.warn(
+            f"{folder}: skipped {len(skipped)} entries that are not image files ({', '.join(skipped[:3])}"
+            f"{', ...' if len(skipped) > 3 else ''}); odeify reads regular files named "
+            f"*{', *'.join(IMAGE_SUFFIXES)}.",
+            UserWarning,
+            stacklevel=4,
+        )
+    where: dict[str, str] = {}
+    for _, relative in images:
+        name = os.path.basename(relative)
+        if not relative:
+            raise DataError(
+                f"{folder} holds images outside any class folder ({images[0][0]}, ...); move them into "
+                f"{folder}/<class>/."
+            )
+        if where.setdefault(name, relative) != relative:
+            raise DataError(
+                f"{folder}/{where[name]} and {folder}/{relative} have the same name, and a class is an "
+                "image's folder name: they would be merged into one class. Rename one, or move the images "
+                "up into their class folder."
+            )
+    classes = {name: i for i, name in enumerate(sorted(where, key=natural_key))}
+    samples = [(path, classes[os.path.basename(relative)]) for path, relative in images]
+    return sorted(samples, key=lambda s: natural_key(s[0])), classes
 
 
 def data_config(model: nn.Module) -> dict[str, Any]:
@@ -257,15 +324,39 @@ def _image_folder(root: Path, model: nn.Module, augmentation: Augmentation) -> L
         if len(dataset) == 0:
             raise DataError(f"{folder} holds no images (expected {folder}/<class>/<image files>).")
         dataset.transform = _transform(config, augmentation if training else None)
+        dataset.input_size = tuple(config["input_size"])  # what make_loader's budget check reads
         splits.append(dataset)
     train, val = splits
     classes = train.reader.class_to_idx
     if val.reader.class_to_idx != classes:
+        only = [
+            f"only {folder.name}/ has {', '.join(sorted(set(a) - set(b))[:5])}"
+            for folder, a, b in ((train_dir, classes, val.reader.class_to_idx),
+                                 (val_dir, val.reader.class_to_idx, classes))
+            if set(a) - set(b)
+        ]  # fmt: skip
         raise DataError(
-            f"{train_dir} and {val_dir} hold different class folders "
-            f"({len(classes)} vs {len(val.reader.class_to_idx)}); both need the same class names."
+            f"{train_dir} and {val_dir} hold different class folders ({'; '.join(only)}); both need the "
+            "same class names."
+        )
+    if len(classes) < 2:
+        raise DataError(
+            f"{train_dir} holds one class folder ({', '.join(classes)}): a classifier of one class is always "
+            "right, so training and accuracy would mean nothing. Add a folder per class (at least two)."
+        )
+    shared = _folders(train) & _folders(val)
+    if shared:
+        raise DataError(
+            f"{train_dir} and {val_dir} read the same images (from {min(shared)}, through a link): "
+            "validation would measure the training images. Give val/ images of its own."
         )
     return LabelledData(str(root), train, val, len(classes))
+
+
+def _folders(dataset: Dataset) -> set[str]:
+    """The real paths of the folders ``dataset``'s images are in (links followed)."""
+    folders = {os.path.dirname(path) for path, _ in dataset.reader.samples}
+    return {os.path.realpath(folder) for folder in folders}
 
 
 def _transform(config: dict[str, Any], augmentation: Augmentation | None):
@@ -274,6 +365,11 @@ def _transform(config: dict[str, Any], augmentation: Augmentation | None):
 
     if augmentation is None:
         return timm.data.create_transform(**config, is_training=False)
+    if augmentation.aa is not None and not aa_policy(augmentation.aa):
+        raise DataError(
+            f"the AutoAugment policy --aa {augmentation.aa[:100]} asks for more work per image than odeify "
+            f"allows ({', '.join(f'{k} at most {v}' for k, v in AA_BOUNDS.items())}); ask for less."
+        )
     try:
         return timm.data.create_transform(**config, is_training=True, **augmentation.transform_kwargs())
     except (AssertionError, KeyError, ValueError, TypeError, IndexError) as exc:
@@ -297,8 +393,16 @@ def make_loader(
     """Batches of ``dataset``: shuffled per epoch (call ``loader.sampler.set_epoch``) when ``train``.
 
     Training batches are this rank's shard, full batches only; evaluation batches are the whole
-    split in order, on one process.
+    split in order, on one process. An image folder's batch is checked against the input budget.
     """
+    size = getattr(dataset, "input_size", None)
+    if size is not None:
+        check_input_bytes(
+            f"a batch of {batch_size} images at the data config's input size",
+            (batch_size, *size),
+            4,
+            fix="use a smaller --batch-size or input size (--input-size)",
+        )
     sampler = DistributedSampler(
         dataset, num_replicas=world_size if train else 1, rank=rank if train else 0, shuffle=train, seed=seed
     )
