@@ -18,14 +18,14 @@ from odeify.compiler.analysis import input_shape_for, resolve_model, validate_le
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT, REMANIFEST
 from odeify.core.errors import ConfigError
-from odeify.ir.settings import DEFAULTS, StageRequest, parse_steps, validate_backward
+from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, StageRequest, parse_steps, validate_backward
 from odeify.numerics.bases import get_basis
 from odeify.numerics.tableaus import resolve_integrator
 from odeify.passes.manifest import check_manifestation
 from odeify.passes.segments import has_segments
 from odeify.runtime.stage import ODEStage
 
-__all__ = ["check_converted", "convert", "converted_stages", "retarget", "set_backward"]
+__all__ = ["check_converted", "check_materialized", "convert", "converted_stages", "retarget", "set_backward"]
 
 StepsSpec = int | str | Mapping[str, int | str]
 IntegratorSpec = str | Mapping[str, str]
@@ -68,6 +68,8 @@ def convert(
                 "this model is already converted (it has ODE stages); use odeify.retarget(model, ...) "
                 "to change its integrator, steps, knots, basis or backward mode."
             )
+        check_materialized(model, "odeify.convert")
+        _refuse_hooks(model)
         training = model.training
         model = copy.deepcopy(model)  # loading puts a module in eval mode: never the caller's
     module, name = resolve_model(model, **load_kwargs)
@@ -132,12 +134,46 @@ def set_backward(converted: fx.GraphModule, backward: str | Mapping[str, str]) -
     before keeps training them. A refused mode (e.g. 'reversible' on an Euler stage) changes nothing.
     """
     check_converted(converted, "set_backward")
+    if not isinstance(backward, (str, Mapping)):
+        raise ConfigError(
+            f"set_backward takes a backward mode ({', '.join(BACKWARD_MODES)}) or a {{stage: mode}} dict, "
+            f"not {backward!r:.60}, which would change nothing. Pass the mode to switch to."
+        )
     settings = _settings({"backward": backward}, fill=False)
     check_manifestation(converted, settings([s.stage_name for s in converted_stages(converted)]))
     job = Job(
         gm=converted, settings_for=settings, whole_model=_whole_model(backward, has_segments(converted))
     )
     return REMANIFEST.run(job).gm
+
+
+def check_materialized(model: nn.Module, what: str) -> None:
+    """Refuse a module with tensors on the meta device (shapes without values), naming ``what`` refuses."""
+    meta = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if meta is not None:
+        raise ConfigError(
+            f"{what}: the model's tensors are on the meta device (shapes without values; {meta} is the "
+            "first), so there is nothing to compute or write. Give it values first: model.to_empty(device="
+            "'cpu') and then model.load_state_dict(...), or build it on a real device."
+        )
+
+
+def _refuse_hooks(model: nn.Module) -> None:
+    """Refuse forward hooks: the traced graph calls no module's hooks, so the result would differ."""
+    hooked = next(
+        (
+            name or "the model"
+            for name, m in model.named_modules()
+            if m._forward_pre_hooks or m._forward_hooks
+        ),
+        None,
+    )
+    if hooked is not None:
+        raise ConfigError(
+            f"odeify.convert: {hooked} has a forward hook or pre-hook, which the converted model would not "
+            "run (its graph is traced from the forward alone), so it would compute something else. Remove "
+            "the hook (handle.remove()) and apply what it does to the inputs or outputs yourself."
+        )
 
 
 def converted_stages(converted: nn.Module) -> list[ODEStage]:

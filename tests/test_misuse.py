@@ -1,0 +1,57 @@
+"""API calls that were accepted and did something else than asked (issue 39): each is refused, naming
+the problem and the fix."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import odeify
+from odeify.core.errors import ConfigError
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.digits import DIGITS_SIZE
+from odeify.models.loading import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def source() -> torch.nn.Module:
+    return load_model(DEFAULT_MODEL_PATH)
+
+
+def test_a_forward_hook_on_the_source_is_refused(source: torch.nn.Module) -> None:
+    x = torch.randn(2, 1, DIGITS_SIZE, DIGITS_SIZE, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = source(x)
+    for module, register in ((source, "register_forward_pre_hook"), (source.layer1, "register_forward_hook")):
+        hook = getattr(module, register)(lambda m, *args: (args[0][0] * 2,) if len(args) == 1 else None)
+        try:
+            with torch.no_grad():
+                changed = not torch.equal(source(x), plain)
+            assert changed == (module is source)  # the pre-hook changes the output; the other returns None
+            with pytest.raises(ConfigError, match="forward hook or pre-hook, which the converted model"):
+                odeify.convert(source)
+        finally:
+            hook.remove()
+    odeify.convert(source)  # without hooks
+
+
+def test_meta_tensors_are_refused_at_convert_and_save(source: torch.nn.Module, tmp_path: Path) -> None:
+    converted = odeify.convert(source)
+    with pytest.raises(ConfigError, match=r"odeify\.convert: the model's tensors are on the meta device"):
+        odeify.convert(copy.deepcopy(source).to("meta"))
+    target = tmp_path / "m.safetensors"
+    with pytest.raises(ConfigError, match=r"odeify\.save: the model's tensors are on the meta device"):
+        odeify.save(converted.to("meta"), target)
+    assert not target.exists()
+
+
+def test_set_backward_without_a_mode_is_refused(source: torch.nn.Module) -> None:
+    converted = odeify.convert(source)
+    with pytest.raises(ConfigError, match="set_backward takes a backward mode .* not None"):
+        odeify.set_backward(converted, None)
+    assert odeify.set_backward(converted, "checkpoint") is converted
