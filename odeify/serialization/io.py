@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.compiler.conversion import guard_input_dtype
+from odeify.compiler.conversion import check_materialized, guard_input_dtype
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT
 from odeify.compiler.record import META
@@ -62,6 +62,7 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """
     target = output_file(path, "odeify.save", suffix=MODEL_SUFFIX)
     _check_saved(recipe_of(model), target)  # before any work: what load's schema and budgets refuse
+    check_materialized(model, "odeify.save")
     # own, contiguous CPU copies: safetensors refuses tensors that share storage
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     _refuse_unloadable(tensors, target)
