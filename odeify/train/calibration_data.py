@@ -18,12 +18,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from odeify.core.errors import ConfigError
-from odeify.train.datasets import DIGITS, LabelledData, data_config, open_data
+from odeify.train.datasets import DIGITS, IMAGE_SUFFIXES, LabelledData, data_config, open_data
 
-__all__ = ["IMAGE_SUFFIXES", "calibration_images"]
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-"""The files of a folder calibration reads (PIL opens them all); other files are not images."""
+__all__ = ["calibration_images"]
 
 CalibrationData = torch.Tensor | Dataset | LabelledData | Iterable | str | os.PathLike
 
