@@ -162,3 +162,29 @@ def test_an_image_folder_batch_over_the_input_budget_is_refused(
     assert main(["eval", str(path), "--data", str(root), "--input-size", "1", "4096", "4096"]) == 2
     err = capsys.readouterr().err
     assert "--batch-size" in err and "ODEIFY_MAX_INPUT_BYTES" in err
+
+
+@pytest.mark.parametrize(
+    ("arch", "kwargs"), [("convnext_atto", {}), ("vit_tiny_patch16_224", {"depth": 1, "img_size": 32})]
+)
+def test_img_size_takes_the_channels_from_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arch: str, kwargs: dict
+) -> None:
+    import safetensors.torch
+    import timm
+
+    source = timm.create_model(arch, num_classes=2, in_chans=1, **kwargs)
+    plain = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in source.state_dict().items()}, plain)
+    out = tmp_path / "m.safetensors"
+    given = [f"{k}={v}" for k, v in {"in_chans": 1, **kwargs}.items()]
+    argv = ["convert", str(plain), "--arch", arch, "--num-classes", "2", "--img-size", "32", "--no-verify"]
+    assert main([*argv, "--model-kwargs", *given, "-o", str(out)]) == 0
+    average = sum(source.pretrained_cfg["mean"]) / 3  # timm's RGB mean, its 1-channel reading
+    assert f"averages are used for each channel (mean {average:.4g} (of 3)" in capsys.readouterr().err
+    model = odeify.load(out)
+    config = timm.data.resolve_model_data_config(model)  # asserted one mean per channel before
+    assert config["input_size"] == tuple(model.meta["odeify"]["input_shape"][1:]) == (1, 32, 32)
+    root = image_folder(tmp_path / "data", train=1, val=2)
+    assert main(["eval", str(out), "--data", str(root)]) == 0
+    assert "accuracy" in capsys.readouterr().out

@@ -52,12 +52,13 @@ def check_size_flags(args: argparse.Namespace) -> None:
 def trace_size(args: argparse.Namespace, model: nn.Module | None) -> list[int] | None:
     """The example input's size the flags ask for (None: the model's data config decides).
 
-    ``--img-size S`` takes the channel count from ``model`` (needed then)."""
+    ``--img-size S`` takes the channel count from ``model`` (needed then): the input it was converted
+    at, else its timm config (``in_chans`` first)."""
     check_size_flags(args)
     side = getattr(args, "img_size", None)
     if side is None:
         return getattr(args, "input_size", None)
-    channels = default_input_size(model)[1] if model is not None else 3
+    channels = _channels(model) if model is not None else 3
     check_input_bytes("--img-size", (1, channels, side, side), 4)
     return [1, channels, side, side]
 
@@ -69,10 +70,24 @@ def flag_entries(args: argparse.Namespace, model: nn.Module) -> dict[str, Any]:
     for key in ("mean", "std", "interpolation", "crop_pct"):
         if getattr(args, key, None) is not None:
             entries[key] = getattr(args, key)
-    channels = entries["input_size"][0] if "input_size" in entries else default_input_size(model)[1]
+    channels = entries["input_size"][0] if "input_size" in entries else _channels(model)
+    cfg = getattr(model, "pretrained_cfg", None)
+    averaged = []
     for key in ("mean", "std"):  # one value means: the same for every channel (timm's reading)
         if key in entries and len(entries[key]) == 1:
             entries[key] = entries[key] * channels
+        recorded = cfg.get(key) if isinstance(cfg, dict) and key not in entries else None
+        if isinstance(recorded, (list, tuple)) and recorded and len(recorded) not in (1, channels):
+            entries[key] = [sum(recorded) / len(recorded)] * channels
+            averaged.append(f"{key} {entries[key][0]:.4g} (of {len(recorded)})")
+    if averaged:
+        warnings.warn(
+            f"the model's data config has a mean and std for other channels than the {channels} the model "
+            f"takes: their averages are used for each channel ({', '.join(averaged)}; as timm adapts an "
+            "RGB stem to other channels). Pass --mean and --std to set them.",
+            UserWarning,
+            stacklevel=2,
+        )
     return check_data_config(
         entries, "the data-config flags", error=ConfigError, tuples=False, channels=channels
     )
@@ -103,6 +118,12 @@ def apply_data_config(model: nn.Module, args: argparse.Namespace, *, recorded: s
         )
     model.pretrained_cfg = {**cfg, **entries}
     return model
+
+
+def _channels(model: nn.Module) -> int:
+    """The channels ``model`` takes: those it was converted (traced and verified) at, else timm's config's."""
+    traced = getattr(model, "meta", {}).get("odeify", {}).get("input_shape")
+    return int(traced[1]) if traced else default_input_size(model)[1]
 
 
 def _shape(size: object) -> str:
