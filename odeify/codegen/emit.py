@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from odeify.ir.meta import tag
 from odeify.ir.stage_ir import Slot, StageIR
+from odeify.numerics.schemes import Add, Evaluate, Reflect, SplitScheme
 from odeify.numerics.tableaus import (
     TABLEAUS,
     AsyncLeapfrog,
@@ -319,6 +320,68 @@ def _substep(
     return w.axpy(y, [(h * b, k) for b, k in zip(tableau.b, ks, strict=True)], name=name)
 
 
+Registers = dict[str, fx.Node | None]
+"""A reversible scheme's registers as graph nodes; None for one still at zero (ALF's p before step 0)."""
+
+
+def reversible_split_step(w: StageWriter, scheme: SplitScheme, n: int, registers: Registers) -> Registers:
+    """One step of a reversible splitting: its register program (:mod:`odeify.numerics.schemes`) as
+    float ops, sub-step by sub-step, each evaluating one sub-field. An increment ``[l h/2 F]`` is
+    ``l h/2 * F`` here (the lattice's rounding is the runtime's alone). Each register's value after
+    sub-step k of step n is named ``<register>_<n>_<k>_F<field>`` (``_part`` within it), after the
+    step ``<register>_<n+1>``; ``F_s<n>_<k>_F<field>_<i>`` is the sub-step's i-th evaluation.
+    """
+    writers = field_writers(w)
+    h = Fraction(1, w.stage.steps)
+    registers = dict(registers)
+    for k, ops in enumerate(scheme.substeps, start=1):
+        field = next(op.field for op in ops if isinstance(op, Evaluate))
+        last = {op.target: i for i, op in enumerate(ops) if not isinstance(op, Evaluate)}
+        increments: dict[str, tuple[Fraction, fx.Node]] = {}
+        for i, op in enumerate(ops):
+            if isinstance(op, Evaluate):
+                tag = f"s{n}_{k}_F{field + 1}_{len(increments) + 1}"
+                f = writers[field].field((n + op.at) * h, op.left, registers[op.register], tag)
+                increments[op.into] = (op.length * h / 2, f)
+                continue
+            if last[op.target] != i:
+                name = f"{w.tag}_{op.target}_{n}_{k}_F{field + 1}_part"
+            elif k == len(scheme.substeps):
+                name = f"{w.tag}_{op.target}_{n + 1}"
+            else:
+                name = f"{w.tag}_{op.target}_{n}_{k}_F{field + 1}"
+            source = op.source if isinstance(op, Add) else op.about
+            coef, value = increments.get(source, (Fraction(1), registers.get(source)))
+            registers[op.target] = _register_op(w, op, registers[op.target], coef, value, name)
+    w.used_knots.update(*(fw.used_knots for fw in writers))
+    w.evaluations = sum(fw.evaluations for fw in writers)
+    return registers
+
+
+def _register_op(
+    w: StageWriter,
+    op: Add | Reflect,
+    target: fx.Node | None,
+    coef: Fraction,
+    source: fx.Node | None,
+    name: str,
+) -> fx.Node | None:
+    """``target + times * coef * source`` (Add) or ``2 coef source - target`` (Reflect); None is zero."""
+    factor = coef * (op.times if isinstance(op, Add) else 2)
+    if source is None:  # a register still at zero
+        if isinstance(op, Add) or target is None:
+            return target
+        return w.node("call_function", operator.neg, (target,), name=name)
+    if isinstance(op, Add):
+        if target is not None:
+            return w.axpy(target, [(factor, source)], name=name)
+        return w.node("call_function", operator.mul, (source, float(factor)), name=name)
+    if target is None:
+        return w.node("call_function", operator.mul, (source, float(factor)), name=name)
+    scaled = source if factor == 1 else w.node("call_function", operator.mul, (source, float(factor)))
+    return w.node("call_function", operator.sub, (scaled, target), name=name)
+
+
 def summed_field(w: StageWriter, t: Fraction, left: bool, y: fx.Node) -> fx.Node:
     """F(t, y) of a split stage: the sum of its sub-fields."""
     total = None
@@ -333,6 +396,12 @@ def summed_field(w: StageWriter, t: Fraction, left: bool, y: fx.Node) -> fx.Node
 def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
     """The whole stage, unrolled: returns the node holding x(1)."""
     integrator = w.stage.integrator
+    if isinstance(integrator, Splitting) and integrator.reversible:
+        scheme = integrator.scheme(len(field_writers(w)))
+        registers: Registers = {r.name: x if r.start == "input" else None for r in scheme.registers}
+        for n in range(w.stage.steps):
+            registers = reversible_split_step(w, scheme, n, registers)
+        return registers[scheme.output]
     if isinstance(integrator, Splitting):
         for n in range(w.stage.steps):
             x = split_step(w, integrator, n, x)
@@ -397,6 +466,19 @@ def build_step_graph(stage: StageIR, n: int, kind: str) -> StepGraph:
             )
         return _graph_over_knots(stage, f"forward_step{n}", ("z", "v"), lambda w, z, v: alf_step(w, n, z, v))
     direction = 1 if kind == "forward" else -1
+    if isinstance(integrator, Splitting) and integrator.reversible:
+        if kind != "forward":
+            raise ValueError(
+                f"{integrator.name} has no {kind!r} step graph; odeify.runtime.reversible inverts it"
+            )
+        scheme = integrator.scheme(stage.num_fields)  # type: ignore[attr-defined]
+        names = tuple(r.name for r in scheme.registers)
+
+        def write(w: StageWriter, *state: fx.Node) -> tuple[fx.Node | None, ...]:
+            out = reversible_split_step(w, scheme, n, dict(zip(names, state, strict=True)))
+            return tuple(out[name] for name in names)
+
+        return _graph_over_knots(stage, f"forward_step{n}", names, write)
     if isinstance(integrator, Splitting):
         return _graph_over_knots(
             stage, f"{kind}_step{n}", ("x",), lambda w, x: (split_step(w, integrator, n, x, direction),)
@@ -413,13 +495,24 @@ def build_field_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGr
     return _graph_over_knots(stage, "field", ("x",), lambda w, x: w.field(t, left, x, "t"))
 
 
-def build_delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:
-    """A graph ``(x, knots...) -> F(t, x) / L``: the field without its depth factor.
+def build_delta_graph(stage: StageIR, t: Fraction, left: bool = False, field: int = 0) -> StepGraph:
+    """A graph ``(x, knots...) -> F(t, x) / L``: the field without its depth factor (on a split
+    stage sub-field ``field``'s).
 
     The reversible schemes fold L into their lattice increments (one multiply fewer per
     evaluation, and one fewer in its VJP).
     """
-    return _graph_over_knots(stage, "delta", ("x",), lambda w, x: w.delta(t, left, x, "t"))
+    if not isinstance(stage.integrator, Splitting):
+        return _graph_over_knots(stage, "delta", ("x",), lambda w, x: w.delta(t, left, x, "t"))
+
+    def write(w: StageWriter, x: fx.Node) -> fx.Node:
+        fw = field_writers(w)[field]
+        out = fw.delta(t, left, x, f"t_F{field + 1}")
+        w.used_knots.update(fw.used_knots)
+        w.evaluations = fw.evaluations
+        return out
+
+    return _graph_over_knots(stage, f"delta_F{field + 1}", ("x",), write)
 
 
 def _graph_over_knots(stage: StageIR, name: str, state: tuple[str, ...], write) -> StepGraph:
@@ -468,10 +561,11 @@ def field_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:
     return _cached(stage, (t, left, "field"), lambda: build_field_graph(stage, t, left))
 
 
-def delta_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:
-    """The graph of F(t, x) / L at an exact time, built once per manifestation."""
+def delta_graph(stage: StageIR, t: Fraction, left: bool = False, field: int = 0) -> StepGraph:
+    """The graph of F(t, x) / L (sub-field ``field``'s on a split stage) at an exact time, built once
+    per manifestation."""
     t = Fraction(t)
-    return _cached(stage, (t, left, "delta"), lambda: build_delta_graph(stage, t, left))
+    return _cached(stage, (t, left, "delta", field), lambda: build_delta_graph(stage, t, left, field))
 
 
 CACHE_LOCK = threading.RLock()

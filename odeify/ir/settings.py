@@ -17,7 +17,8 @@ from typing import Literal
 
 from odeify.core.errors import ConfigError
 from odeify.numerics.bases import get_basis
-from odeify.numerics.tableaus import AsyncLeapfrog, Integrator, ReversibleScheme, Splitting
+from odeify.numerics.schemes import Evaluate
+from odeify.numerics.tableaus import Integrator, ReversibleScheme, Splitting
 
 __all__ = [
     "BACKWARD_MODES",
@@ -76,13 +77,8 @@ def validate_backward(mode: object, integrator: Integrator, stage: str | None = 
     which = "the stage" if stage is None else f"stage '{stage}'"
     if mode not in BACKWARD_MODES:
         raise ConfigError(f"unknown backward mode {mode!r}; choose one of {', '.join(BACKWARD_MODES)}.")
-    if mode == "reversible" and isinstance(integrator, Splitting):
-        raise ConfigError(
-            f"backward='reversible' runs an algebraically reversible scheme on a fixed-point lattice, "
-            f"and none is built for split stages yet (integrator='{integrator.name}'). Use "
-            "backward='checkpoint' (exact gradients, memory ~ steps/k + k states) or 'reverse' "
-            "(approximate, memory-free)."
-        )
+    if isinstance(integrator, Splitting):
+        return _split_backward(mode, integrator)
     if mode == "reversible" and not isinstance(integrator, ReversibleScheme):
         raise ConfigError(
             f"backward='reversible' needs an algebraically reversible integrator, but {which} uses "
@@ -94,6 +90,27 @@ def validate_backward(mode: object, integrator: Integrator, stage: str | None = 
         raise ConfigError(
             "backward='reverse' rebuilds states by stepping backward with an explicit tableau; "
             f"integrator='{integrator.name}' is inverted exactly instead: use backward='reversible'."
+        )
+    return mode  # type: ignore[return-value]
+
+
+def _split_backward(mode: str, splitting: Splitting) -> BackwardMode:
+    """``mode`` checked against a splitting scheme: ``reversible`` for the reversible splittings only,
+    ``reverse`` (stepping back by explicit sub-steps) for the others only."""
+    if mode == "reversible" and not splitting.reversible:
+        strang = splitting.pattern == "symmetric"
+        raise ConfigError(
+            f"backward='reversible' runs an algebraically reversible scheme on a fixed-point lattice, and "
+            f"integrator='{splitting.name}' is not one. Use integrator='{'strang_alf' if strang else 'alf'}' "
+            f"(each sub-step an ALF step{', Strang order' if strang else ''}; 'reversible_heun' and "
+            "'strang_reversible_heun' too) with backward='reversible', or keep "
+            f"'{splitting.name}' with backward='checkpoint' (exact gradients, memory ~ steps/k + k "
+            "states) or 'reverse' (approximate, memory-free)."
+        )
+    if mode == "reverse" and splitting.reversible:
+        raise ConfigError(
+            "backward='reverse' rebuilds states by stepping backward with explicit sub-steps; "
+            f"integrator='{splitting.name}' is inverted exactly instead: use backward='reversible'."
         )
     return mode  # type: ignore[return-value]
 
@@ -180,24 +197,38 @@ class StageRequest:
     checkpoint_every: int | None = None
 
 
-def validate_midpoints(integrator: Integrator, basis: str, knots: int, steps: int, stage: str) -> None:
-    """Refuse ALF where a step's midpoint, its one evaluation, falls on a jump of the weight path.
+def validate_midpoints(
+    integrator: Integrator, basis: str, knots: int, steps: int, stage: str, fields: int = 1
+) -> None:
+    """Refuse ALF where an evaluation inside a (sub-)step falls on a jump of the weight path.
 
-    There the midpoint would read one of the two cells its step covers, arbitrarily (at half the
+    There the evaluation would read one of the two cells its step covers, arbitrarily (at half the
     native steps on the piecewise-constant path: one block of every two). A path jumps only at a
-    knot, so only midpoints on a knot are compared, exactly, from both sides.
+    knot, so only such times on a knot are compared, exactly, from both sides. ``fields``: a split
+    stage's sub-field count (its reversible splitting's program has one ALF step per sub-step).
     """
-    if not isinstance(integrator, AsyncLeapfrog):
+    name, parts = integrator.name, ((0, Fraction(0), Fraction(1)),)
+    if isinstance(integrator, Splitting) and integrator.reversible:
+        split = integrator.scheme(fields)
+        integrator, parts = split.base, split.parts
+    if not isinstance(integrator, ReversibleScheme):
         return
+    inner = [op.at for op in integrator.step if isinstance(op, Evaluate) and 0 < op.at < 1]
+    inside = sorted({start + at * length for _, start, length in parts for at in inner})
     path = get_basis(basis)
     for n in range(steps):
-        t = Fraction(2 * n + 1, 2 * steps)
-        if (t * knots).denominator == 1 and path.coefficients(knots, t, True) != path.coefficients(knots, t):
-            raise ConfigError(
-                f"integrator='{integrator.name}' evaluates the field once per step, at the step's midpoint; "
-                f"with {steps} steps over the {knots} '{basis}' knots of stage '{stage}', step {n}'s "
-                f"midpoint t = {t} falls on a jump of the weight path, where it would read one of the two "
-                "blocks its step covers (at half the native steps: one block of every two). Use "
-                "integrator='reversible_heun' at these steps (exact and memory-free too; it reads both), "
-                "ALF at a multiple of the knots (steps='native', 'x2', ...), or basis='linear'."
-            )
+        for at in inside:
+            t = (n + at) / steps
+            if (t * knots).denominator == 1 and path.coefficients(knots, t, True) != path.coefficients(
+                knots, t
+            ):
+                raise ConfigError(
+                    f"integrator='{name}' evaluates the field inside each (sub-)step (ALF: at its "
+                    f"midpoint); with {steps} steps over the {knots} '{basis}' knots of stage '{stage}', "
+                    f"step {n}'s {'midpoint' if at == Fraction(1, 2) else 'evaluation'} t = {t} falls on "
+                    "a jump of the weight path, where it would read one of the two blocks its step covers "
+                    "(at half the native steps: one block of every two). Use integrator='reversible_heun' "
+                    "at these steps (on a split stage 'strang_reversible_heun' too: exact and memory-free, "
+                    "it reads both), ALF at a multiple of the knots (steps='native', 'x2', ...), or "
+                    "basis='linear'."
+                )

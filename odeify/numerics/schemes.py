@@ -9,7 +9,9 @@ in reverse order, each increment re-evaluated from the register it was computed 
 every state bit for bit. The step code in :mod:`odeify.codegen.emit` writes the same methods as
 readable float graphs for inference and ``backprop``.
 
-Two schemes ship (the runtime knows neither by name):
+Two schemes ship (the runtime knows neither by name), and their compositions over the sub-fields
+of a split stage (:class:`SplitScheme`: one sub-step of one sub-field after another, in Lie-Trotter
+or Strang order, on one augmented state; the inverse undoes the sub-steps in reverse order):
 
 - **reversible Heun** (Kidger et al. 2021, "Efficient and accurate gradients for neural SDEs"):
   registers (y, z), two evaluations per step (one where consecutive steps can share it);
@@ -31,6 +33,7 @@ from fractions import Fraction
 from typing import ClassVar, Literal
 
 __all__ = [
+    "REVERSIBLE_SCHEMES",
     "AsyncLeapfrog",
     "Add",
     "Evaluate",
@@ -39,18 +42,23 @@ __all__ = [
     "Register",
     "ReversibleHeun",
     "ReversibleScheme",
+    "SplitScheme",
     "validate_scheme",
 ]
 
 
 @dataclass(frozen=True)
 class Evaluate:
-    """``into = [h/2 F(t_n + at * h, register)]`` (the left limit when ``left``): one field increment."""
+    """``into = [length h/2 F_field(t_n + at * h, register)]`` (the left limit when ``left``): one
+    field increment. ``field`` names the sub-field of a split stage (0 on other stages) and ``length``
+    the sub-step's length in steps (a power of two: Strang's half sub-steps are 1/2)."""
 
     register: str
     at: Fraction
     left: bool
     into: str
+    field: int = 0
+    length: Fraction = Fraction(1)
 
 
 @dataclass(frozen=True)
@@ -83,13 +91,16 @@ class Register:
     about h L / 2, for a register that holds an increment-sized quantity (ALF's p = h/2 v): there
     the input's spacing would round it ever more coarsely, relative to its size, as the steps get
     smaller. Adding it to a state register rounds it to the state's spacing first (exactly undone,
-    since the same bits are rounded again going back).
+    since the same bits are rounded again going back). ``per_field``: a split scheme gives every
+    sub-field its own copy (ALF's p, a field's velocity: shared, it would carry one sub-field's
+    velocity into the next's predictor).
     """
 
     name: str
     start: Literal["input", "zero"]
     kept: Literal["relative", "absolute"] = "absolute"
     lattice: Literal["state", "increment"] = "state"
+    per_field: bool = False
 
 
 class ReversibleScheme:
@@ -179,7 +190,7 @@ class AsyncLeapfrog(ReversibleScheme):
     evals_per_step: ClassVar[int] = 1
     registers: ClassVar[tuple[Register, ...]] = (
         Register("z", "input"),
-        Register("p", "zero", lattice="increment"),
+        Register("p", "zero", lattice="increment", per_field=True),
     )
     step: ClassVar[tuple[Op, ...]] = (
         Add("z", "p"),
@@ -199,6 +210,73 @@ class AsyncLeapfrog(ReversibleScheme):
         return (Evaluate("z", Fraction(0), False, "a"), Add("p", "a"))
 
 
+@dataclass(frozen=True)
+class SplitScheme(ReversibleScheme):
+    """A reversible split step: ``base``'s step once per sub-step, each on one sub-field.
+
+    ``parts`` are the sub-steps in the order they run, as (field, start, length) in fractions of
+    the step (:meth:`odeify.numerics.splitting.Splitting.substeps`). Every sub-step is ``base``'s
+    step of F_field over [start, start + length] on one augmented state (reversible Heun's (y, z),
+    ALF's z with one velocity register p<field> per sub-field): a composition of exactly invertible
+    maps, which the runtime undoes sub-step by sub-step in reverse order. ``base`` must need no
+    start ops.
+    """
+
+    label: str
+    degree: int
+    base: ReversibleScheme
+    parts: tuple[tuple[int, Fraction, Fraction], ...]
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.label
+
+    @property
+    def order(self) -> int:  # type: ignore[override]
+        return self.degree
+
+    @property
+    def evals_per_step(self) -> int:  # type: ignore[override]
+        return self.base.evals_per_step * len(self.parts)
+
+    @functools.cached_property
+    def registers(self) -> tuple[Register, ...]:  # type: ignore[override]
+        fields = sorted({field for field, _, _ in self.parts})
+        out: list[Register] = []
+        for r in self.base.registers:
+            copies = [f"{r.name}{f + 1}" for f in fields] if r.per_field else [r.name]
+            out += [Register(name, r.start, r.kept, r.lattice) for name in copies]
+        return tuple(out)
+
+    @functools.cached_property
+    def substeps(self) -> tuple[tuple[Op, ...], ...]:
+        """Each sub-step's ops: ``base``'s step with its times mapped into the sub-interval, its
+        per-field registers and its increments renamed (``a`` of sub-step k is ``a<k>``)."""
+        per_field = {r.name for r in self.base.registers if r.per_field}
+        local = {op.into for op in self.base.step if isinstance(op, Evaluate)}
+        out = []
+        for k, (field, start, length) in enumerate(self.parts, start=1):
+
+            def name(n: str, k: int = k, field: int = field) -> str:
+                return f"{n}{k}" if n in local else f"{n}{field + 1}" if n in per_field else n
+
+            ops: list[Op] = []
+            for op in self.base.step:
+                if isinstance(op, Evaluate):
+                    at = start + op.at * length
+                    ops.append(Evaluate(name(op.register), at, op.left, name(op.into), field, length))
+                elif isinstance(op, Add):
+                    ops.append(Add(name(op.target), name(op.source), op.times))
+                else:
+                    ops.append(Reflect(name(op.target), name(op.about)))
+            out.append(tuple(ops))
+        return tuple(out)
+
+    @property
+    def step(self) -> tuple[Op, ...]:  # type: ignore[override]
+        return tuple(op for ops in self.substeps for op in ops)
+
+
 def validate_scheme(scheme: ReversibleScheme) -> None:
     """Check a scheme's program: known names, and each increment used only while its register is unchanged.
 
@@ -207,6 +285,8 @@ def validate_scheme(scheme: ReversibleScheme) -> None:
     registers = [r.name for r in scheme.registers]
     if len(set(registers)) != len(registers):
         raise ValueError(f"{scheme.name}: register names must be unique")
+    if isinstance(scheme, SplitScheme) and scheme.base.start:
+        raise ValueError(f"{scheme.name}: a split scheme's step needs no start ops")
     lattices = {r.name: r.lattice for r in scheme.registers}
     if any(r.kept == "relative" and r.lattice != scheme.registers[0].lattice for r in scheme.registers):
         raise ValueError(f"{scheme.name}: a register kept relative to the output must share its lattice")
@@ -245,3 +325,6 @@ def _check_increment(name: str, ops: tuple[Op, ...], i: int, lattices: dict[str,
 for _scheme in (ReversibleHeun(), AsyncLeapfrog(), AsyncLeapfrog("field")):
     validate_scheme(_scheme)
 del _scheme
+
+REVERSIBLE_SCHEMES: dict[str, ReversibleScheme] = {s.name: s for s in (ReversibleHeun(), AsyncLeapfrog())}
+"""The built-in reversible integrators by name (``backward='reversible'`` runs any of them)."""

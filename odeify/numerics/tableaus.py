@@ -18,7 +18,7 @@ from functools import cache
 
 from odeify.core.errors import ConfigError
 from odeify.core.limits import MAX_NAME
-from odeify.numerics.schemes import AsyncLeapfrog, ReversibleHeun, ReversibleScheme
+from odeify.numerics.schemes import REVERSIBLE_SCHEMES, AsyncLeapfrog, ReversibleHeun, ReversibleScheme
 from odeify.numerics.splitting import SPLITTINGS, Splitting
 
 __all__ = [
@@ -327,9 +327,6 @@ TABLEAUS: dict[str, Tableau] = {
     )
 }
 del _h
-
-REVERSIBLE_SCHEMES: dict[str, ReversibleScheme] = {s.name: s for s in (ReversibleHeun(), AsyncLeapfrog())}
-"""The built-in reversible integrators by name (``backward='reversible'`` runs any of them)."""
 
 KNOWN_INTEGRATORS: tuple[str, ...] = tuple(sorted([*TABLEAUS, *REVERSIBLE_SCHEMES, *SPLITTINGS]))
 

@@ -1,13 +1,14 @@
 """``backward='reversible'``: a reversible scheme's memory-free backward, exact to the last bit.
 
 One runtime for every reversible integrator. A scheme (:mod:`odeify.numerics.schemes`: reversible
-Heun, ALF) is a register program; :func:`compile_program` lays it out over a stage's steps, with
-exact times, and :class:`_LatticeAdjoint` executes it on the fixed-point lattice
-(:mod:`odeify.runtime.lattice`): forward under ``no_grad``, keeping only the compact final
-registers; backward by undoing the ops from last to first. Each increment is re-evaluated, with
-grad, from the register it was computed from (which holds the same bits again), used to undo the
-ops that added it, and differentiated once its cotangent is complete, at the op that evaluated
-it. Every field is evaluated once in forward and once, with grad, in backward.
+Heun, ALF, and their split steps over a split stage's sub-fields) is a register program;
+:func:`compile_program` lays it out over a stage's steps, with exact times, and
+:class:`_LatticeAdjoint` executes it on the fixed-point lattice (:mod:`odeify.runtime.lattice`):
+forward under ``no_grad``, keeping only the compact final registers; backward by undoing the ops
+from last to first. Each increment is re-evaluated, with grad, from the register it was computed
+from (which holds the same bits again), used to undo the ops that added it, and differentiated once
+its cotangent is complete, at the op that evaluated it. Every field is evaluated once in forward and
+once, with grad, in backward.
 
 Cotangents are the adjoints of the same ops, on the unrounded recurrence (the lattice's rounding
 is invisible to the gradient): ``Add(target, source, k)`` gives ``λsource += k λtarget``,
@@ -37,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -49,12 +50,16 @@ from odeify.runtime.lattice import Lattice, half_step
 from odeify.runtime.rerun import Backward, ForwardContext, Rerun, StageCall, StageFunction, warn_fallback
 from odeify.runtime.rerun import knot_window_inputs as _knot_inputs
 
+if TYPE_CHECKING:
+    from odeify.runtime.stage import ODEStage
+
 __all__ = ["LatticeAdjoint", "Program", "compile_program", "run_on_lattice"]
 
 
 @dataclass(frozen=True)
 class _Evaluation:
-    """One increment of a compiled program: ``into = [h/2 F(t, register)]`` (left limit when ``left``).
+    """One increment of a compiled program: ``into = [length h/2 F_field(t, register)]`` (left limit
+    when ``left``).
 
     ``first``: no evaluation comes before it, so its register's cotangent only matters for x's.
     """
@@ -64,6 +69,14 @@ class _Evaluation:
     left: bool
     into: str
     first: bool
+    field: int = 0
+    length: Fraction = Fraction(1)
+
+    @property
+    def finer_by(self) -> int:
+        """log2 of ``length`` (a power of two): the increment, [length h/2 F], is [h/2 F] in counts
+        of a lattice that many bits finer."""
+        return self.length.numerator.bit_length() - self.length.denominator.bit_length()
 
 
 Step = _Evaluation | Add | Reflect
@@ -90,11 +103,14 @@ class Program:
         """The exact time and side (left limit or not) of every field evaluation, in forward order."""
         return [(op.t, op.left) for op in self.ops if isinstance(op, _Evaluation)]
 
+    def increment_bits(self, op: _Evaluation) -> int:
+        """How many bits finer than q the lattice is on which ``op``'s field value is rounded."""
+        return self.finer[op.into] + op.finer_by
 
-def compile_program(stage: StageIR) -> Program:
+
+def compile_program(stage: ODEStage) -> Program:
     """The stage's scheme laid out over its steps, with what one evaluation or one pass can serve merged."""
-    scheme = stage.integrator
-    assert isinstance(scheme, ReversibleScheme)
+    scheme = stage.reversible_scheme()
     h = Fraction(1, stage.steps)
     ops = _placed(scheme.start, Fraction(0), h, "start")
     for n in range(stage.steps):
@@ -126,16 +142,17 @@ def increment_bits(half: Fraction) -> int:
 
 
 def _placed(ops: tuple[Op, ...], start: Fraction, h: Fraction, suffix: str) -> list[Step]:
-    """One step's (or the start's) ops at their exact times, increments renamed ``<name><suffix>``."""
+    """One step's (or the start's) ops at their exact times, increments renamed ``<name>.<suffix>``."""
     local = {op.into for op in ops if isinstance(op, Evaluate)}
 
     def name(n: str) -> str:
-        return f"{n}{suffix}" if n in local else n
+        return f"{n}.{suffix}" if n in local else n
 
     placed: list[Step] = []
     for op in ops:
         if isinstance(op, Evaluate):
-            placed.append(_Evaluation(op.register, start + op.at * h, op.left, name(op.into), False))
+            t = start + op.at * h
+            placed.append(_Evaluation(op.register, t, op.left, name(op.into), False, op.field, op.length))
         elif isinstance(op, Add):
             placed.append(Add(op.target, name(op.source), op.times))
         else:
@@ -161,27 +178,32 @@ def _without_zero_additions(scheme: ReversibleScheme, ops: list[Step]) -> list[S
 
 
 def _shared_evaluations(stage: StageIR, ops: list[Step]) -> list[Step]:
-    """One evaluation for two of an unchanged register with equal weights, unless it draws random numbers."""
+    """One evaluation for two of one sub-field, over sub-steps of one length, at an unchanged register
+    with equal weights, unless it draws random numbers."""
     if stage.draws_random:  # every evaluation is its own draw
         return ops
-    fresh: dict[str, _Evaluation] = {}  # register -> its last evaluation since it last changed
+    fresh: dict[tuple[str, int], _Evaluation] = {}  # (register, field) -> its last evaluation since
     alias: dict[str, str] = {}
     kept: list[Step] = []
     for op in ops:
         if isinstance(op, _Evaluation):
-            last = fresh.get(op.register)
-            if last is not None and stage.field_weights(last.t, last.left) == stage.field_weights(
-                op.t, op.left
+            last = fresh.get((op.register, op.field))
+            if (
+                last is not None
+                and last.length == op.length
+                and stage.field_weights(last.t, last.left) == stage.field_weights(op.t, op.left)
             ):
                 alias[op.into] = last.into
                 continue
-            fresh[op.register] = op
-        elif isinstance(op, Add):
+            fresh[op.register, op.field] = op
+            kept.append(op)
+            continue
+        if isinstance(op, Add):
             op = Add(op.target, alias.get(op.source, op.source), op.times)
-            fresh.pop(op.target, None)
         else:
             op = Reflect(op.target, alias.get(op.about, op.about))
-            fresh.pop(op.target, None)
+        for key in [key for key in fresh if key[0] == op.target]:
+            del fresh[key]
         kept.append(op)
     return kept
 
@@ -234,7 +256,7 @@ class LatticeAdjoint(StageFunction):
 
 
 def run_on_lattice(
-    stage: StageIR, x: Tensor, points: list[Tensor] | None = None
+    stage: ODEStage, x: Tensor, points: list[Tensor] | None = None
 ) -> tuple[Lattice, Program, list[Tensor]]:
     """The stage's scheme forward on the lattice from ``x``, under ``no_grad`` and outside autograd:
     the lattice, the program and the final registers in counts (``points``, when given, collects
@@ -287,9 +309,9 @@ def _run(
                 value = values[op.register] = lattice.value(registers[op.register], reuse)
             if points is not None:
                 points.append(value)
-            graph = delta_graph(stage, op.t, op.left)
+            graph = delta_graph(stage, op.t, op.left, op.field)
             delta = context.record(op.into, graph, (value, *_knot_inputs(graph, knots)))
-            increments[op.into] = lattice.increment(delta, registers[op.register], program.finer[op.into])
+            increments[op.into] = lattice.increment(delta, registers[op.register], program.increment_bits(op))
             del delta
             continue
         name = _source(op)
@@ -408,13 +430,13 @@ class _Walk:
                 value = self.values[op.register] = self.lattice.value(register, reuse=op.register)
             pending = self.pending[name] = self._evaluate(op, value)
             pending.counts = self.lattice.increment(
-                pending.delta.detach(), register, self.program.finer[name]
+                pending.delta.detach(), register, self.program.increment_bits(op)
             )
         return pending.counts
 
     def _evaluate(self, op: _Evaluation, value: Tensor) -> _Pending:
         """delta(t, value) with grad, replaying the forward's draws for this evaluation."""
-        graph = delta_graph(self.stage, op.t, op.left)
+        graph = delta_graph(self.stage, op.t, op.left, op.field)
         rerun = self.work.grads.rerun(graph)
         with torch.enable_grad():
             leaf = value.detach().requires_grad_(not op.first or self.work.needs_x)
@@ -473,13 +495,13 @@ class _Cotangents:
     """The cotangent λ of every register and live increment, kept as (tensor, scale), λ = scale * tensor.
 
     So a reflection's sign flip costs no pass, and an increment's cotangent is made already scaled
-    by h L / 2 for its VJP (``take`` hands the tensor over as it is), in a reused buffer
+    by its length times h L / 2 for its VJP (``take`` hands the tensor over as it is), in a reused buffer
     (:meth:`release` it after the VJP): a fresh state-sized tensor per step costs page faults.
     """
 
     def __init__(self, program: Program, grad_out: Tensor, half: Fraction) -> None:
         self.registers = {r.name for r in program.scheme.registers}
-        self.half = half
+        self.halves = {op.into: half * op.length for op in program.ops if isinstance(op, _Evaluation)}
         output = self.output_name = program.scheme.output
         self.tensors: dict[str, Tensor] = {output: grad_out.clone()}
         self.scales: dict[str, Fraction] = {output: Fraction(1)}
@@ -502,17 +524,17 @@ class _Cotangents:
             self.tensors[name].add_(self.tensors[source], alpha=float(weight / self.scales[name]))
             return
         is_register = name in self.registers
-        scale = Fraction(1) if is_register else 1 / self.half
+        scale = Fraction(1) if is_register else 1 / self.halves[name]
         out = self._spare.pop() if self._spare and not is_register else None
         self.tensors[name] = torch.mul(self.tensors[source], float(weight / scale), out=out)
         self.scales[name] = scale
 
     def take(self, increment: str) -> Tensor | None:
-        """h L / 2 times an increment's cotangent: the cotangent of the delta it was evaluated as."""
+        """length h L / 2 times an increment's cotangent: the cotangent of the delta it was evaluated as."""
         tensor = self.tensors.pop(increment, None)
         if tensor is None:
             return None
-        factor = self.scales.pop(increment) * self.half
+        factor = self.scales.pop(increment) * self.halves[increment]
         return tensor if factor == 1 else tensor * float(factor)
 
     def release(self, cotangent: Tensor) -> None:

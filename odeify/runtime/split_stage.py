@@ -5,10 +5,12 @@ shifted attention, MLP: p = 4, each MLP template reshaping the (B, H, W, C) stat
 back) has one template per sub-block and one knot stack per sub-field slot; all p fields share the
 stage's knot count, basis and times, so retargeting knots or basis refits every stack alike. Its
 integrator is a splitting scheme (:mod:`odeify.numerics.splitting`): ``lie_trotter`` (at native
-steps the network itself) or ``strang``. The code generator writes each sub-step with one writer
-per sub-field, through a :class:`FieldView` (a sub-field seen as a one-field stage). Checkpoint
-and reverse backward run the split step graphs like any stage's; ``reversible`` is refused (no
-reversible split scheme yet).
+steps the network itself), ``strang``, or one whose sub-steps are reversible scheme steps
+(``alf`` and ``reversible_heun`` mean their Lie-Trotter splittings here; ``strang_alf``,
+``strang_reversible_heun``). The code generator writes each sub-step with one writer per
+sub-field, through a :class:`FieldView` (a sub-field seen as a one-field stage). Checkpoint and
+reverse backward run the split step graphs like any stage's; ``reversible`` runs a reversible
+splitting's register program on the lattice (:mod:`odeify.runtime.reversible`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ from odeify.ir.settings import (
     StageSettings,
     validate_backward,
     validate_checkpoint_every,
+    validate_midpoints,
     validate_steps,
 )
 from odeify.ir.stage_ir import Slot, may_draw_random
 from odeify.numerics.bases import get_basis
-from odeify.numerics.tableaus import SPLITTINGS, TABLEAUS, Splitting, Tableau
+from odeify.numerics.tableaus import (
+    REVERSIBLE_SCHEMES,
+    SPLITTINGS,
+    TABLEAUS,
+    ReversibleScheme,
+    Splitting,
+    Tableau,
+)
 from odeify.runtime.stage import ODEStage
 
 BlockForm = Literal["post", "pre"]
@@ -78,7 +88,8 @@ class SplitStage(ODEStage):
     ``templates[i]``, ``slots[i]``, ``tensors[i]`` and ``variants[i]`` are sub-field i's, as lifting
     extracts a period-1 run's; slot names and variant keys clashing between fields get an ``F<i>_``
     prefix. ``integrator='euler'`` (convert's default) means ``lie_trotter``: one Euler sub-step per
-    sub-field, the network at native steps; other tableaus are refused.
+    sub-field, the network at native steps; ``alf`` and ``reversible_heun`` mean
+    ``lie_trotter_alf`` and ``lie_trotter_reversible_heun``; other tableaus are refused.
     """
 
     def __init__(
@@ -114,6 +125,7 @@ class SplitStage(ODEStage):
         self.field_forms = tuple(forms)
         self.field_variant_targets = tuple(targets)
         self.field_nodes = tuple(len(t.graph.nodes) for t in templates)
+        self.random_glue = _random_glue(templates)
         super().__init__(
             name, templates[0], all_slots, all_tensors, forms[0], depth, all_variants, **settings
         )
@@ -128,11 +140,14 @@ class SplitStage(ODEStage):
         return [FieldView(self, i) for i in range(self.num_fields)]
 
     def _validated(self, wanted: StageSettings) -> StageSettings:
-        """``wanted`` checked for a split stage: a splitting scheme (``euler`` read as ``lie_trotter``)."""
+        """``wanted`` checked for a split stage: a splitting scheme (``euler``, ``alf`` and
+        ``reversible_heun`` read as their Lie-Trotter splittings)."""
         name = self.stage_name
         integrator = wanted.integrator
         if isinstance(integrator, Tableau) and integrator == TABLEAUS["euler"]:
             integrator = SPLITTINGS["lie_trotter"]
+        if isinstance(integrator, ReversibleScheme) and REVERSIBLE_SCHEMES.get(integrator.name) == integrator:
+            integrator = SPLITTINGS[f"lie_trotter_{integrator.name}"]
         if not isinstance(integrator, Splitting):
             fields = " + ".join(f"F_{i + 1}" for i in range(self.num_fields))
             raise ConfigError(
@@ -140,7 +155,9 @@ class SplitStage(ODEStage):
                 f"each transformer block), and integrator='{integrator.name}' would integrate the "
                 "summed field, which is not the network at native steps and is not built for split "
                 f"stages. Use one of {', '.join(SPLITTINGS)} ('lie_trotter' is the network at native "
-                "steps, 'strang' is second order; 'euler' means 'lie_trotter' here)."
+                "steps, 'strang' is second order, the '_alf' and '_reversible_heun' ones run "
+                "backward='reversible'; 'euler', 'alf' and 'reversible_heun' mean their 'lie_trotter' "
+                "splittings here)."
             )
         settings = StageSettings(
             get_basis(wanted.basis).name,
@@ -149,9 +166,38 @@ class SplitStage(ODEStage):
             validate_backward(wanted.backward, integrator),
             validate_checkpoint_every(wanted.checkpoint_every, name),
         )
-        evaluations = len(integrator.substeps(self.num_fields)) * TABLEAUS[integrator.substep].stages
+        if integrator.reversible:
+            evaluations = integrator.scheme(self.num_fields).evals_per_step
+            knots, fields = self.num_knots, self.num_fields
+            validate_midpoints(integrator, settings.basis, knots, settings.steps, name, fields)
+        else:
+            evaluations = len(integrator.substeps(self.num_fields)) * TABLEAUS[integrator.substep].stages
+        if settings.backward == "reversible":
+            self._refuse_random_glue()
         check_graph_nodes(name, settings.steps, evaluations, max(self.field_nodes))
         return settings
+
+    def _refuse_random_glue(self) -> None:
+        """Refuse glue (the reshapes between sub-blocks that a sub-field holds) that draws random numbers."""
+        if self.random_glue is not None:
+            field, node = self.random_glue
+            raise ConfigError(
+                f"stage '{self.stage_name}': sub-field F_{field + 1} holds glue '{node}' between its "
+                "sub-blocks that may draw random numbers, and backward='reversible' is built for draws "
+                "inside the sub-blocks only (DropPath, dropout). Use backward='checkpoint' (exact "
+                "gradients, memory ~ steps/k + k states), or set that dropout's rate to 0."
+            )
+
+    @property
+    def state_starts(self) -> tuple[Literal["input", "zero"], ...]:
+        """Where each register of a reversible splitting starts (ALF's z at x, each p at 0); else (x,)."""
+        if isinstance(self.integrator, Splitting) and self.integrator.reversible:
+            return tuple(r.start for r in self.integrator.scheme(self.num_fields).registers)
+        return ("input",)
+
+    def reversible_scheme(self) -> ReversibleScheme:
+        """The register program ``backward='reversible'`` runs: the splitting's over this stage's fields."""
+        return self.integrator.scheme(self.num_fields)
 
     @property
     def draws_random(self) -> bool:
@@ -162,6 +208,35 @@ class SplitStage(ODEStage):
 
     def extra_repr(self) -> str:
         return f"fields={self.num_fields}, " + super().extra_repr()
+
+
+_RANDOM_FUNCTIONS = (
+    torch.nn.functional.dropout,
+    torch.nn.functional.dropout1d,
+    torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d,
+    torch.nn.functional.alpha_dropout,
+    torch.dropout,
+    torch.rand,
+    torch.randn,
+    torch.rand_like,
+    torch.randn_like,
+    torch.bernoulli,
+)
+"""Functions a glue node may call that draw random numbers (a module's draws: ``may_draw_random``)."""
+
+
+def _random_glue(templates: Sequence[fx.GraphModule]) -> tuple[int, str] | None:
+    """The first glue node (named ``glue_*``) that may draw random numbers, as (field, node name)."""
+    for i, template in enumerate(templates):
+        modules = dict(template.named_modules())
+        for node in template.graph.nodes:
+            if node.name.startswith("glue_") and (
+                (node.op == "call_module" and may_draw_random(modules[node.target]))
+                or (node.op == "call_function" and node.target in _RANDOM_FUNCTIONS)
+            ):
+                return i, node.name
+    return None
 
 
 def _unique(name: str, taken: dict, field: int) -> str:
