@@ -55,3 +55,40 @@ def test_set_backward_without_a_mode_is_refused(source: torch.nn.Module) -> None
     with pytest.raises(ConfigError, match="set_backward takes a backward mode .* not None"):
         odeify.set_backward(converted, None)
     assert odeify.set_backward(converted, "checkpoint") is converted
+
+
+def test_a_legal_long_file_name_is_written(tmp_path: Path) -> None:
+    import os
+
+    from odeify.core.fileio import atomic_write_bytes
+
+    name = "m" * (255 - len(".safetensors")) + ".safetensors"  # the longest legal name
+    target = tmp_path / name
+    atomic_write_bytes(target, b"data")  # its temporary's name was 30 bytes past the limit
+    assert target.read_bytes() == b"data" and [p.name for p in tmp_path.iterdir()] == [name]
+    # a temporary left by a killed writer, its pid of 10 digits: the file system takes the name (so it
+    # fits), and the next write recognises and removes it
+    stale = tmp_path / f".{'m' * 209}.tmp-{'0' * 8}-{'9' * 10}-{'a' * 8}.safetensors"
+    stale.touch()
+    os.utime(stale, (0, 0))
+    atomic_write_bytes(target, b"again")
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    with pytest.raises(OSError, match="too long"):
+        atomic_write_bytes(tmp_path / ("m" + name), b"data")  # an illegal name is still refused
+
+
+def test_resume_while_the_run_is_alive_names_its_lock(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    from odeify.cli.parser import main
+    from odeify.core.lock import LOCK_FILE, folder_lock
+
+    run = tmp_path / "run"
+    with folder_lock(run):  # a live first run, still in its first epoch: no state written yet
+        assert main(["finetune", "--data", "digits", "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"pid {os.getpid()}" in err and str(run / LOCK_FILE) in err and "not found" not in err
+    assert main(["finetune", "--data", "digits", "--out", str(run), "--resume"]) == 2  # the lock is free
+    assert "not found" in capsys.readouterr().err

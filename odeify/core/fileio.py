@@ -54,13 +54,26 @@ def _temp_name(target: Path) -> Path:
     The writer's host and pid are part of the name, so a later write can tell a live writer's file
     from one left by a killed process.
     """
-    return target.with_name(f".{target.stem}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}{target.suffix}")
+    return target.with_name(
+        f".{_temp_stem(target)}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}{target.suffix}"
+    )
+
+
+NAME_MAX = 255  # bytes of a file name on Linux and macOS file systems
+_TEMP_EXTRA = len(".") + len(".tmp-") + 8 + 1 + 10 + 1 + 8  # the temp name's other parts (a pid to 10 digits)
+
+
+def _temp_stem(target: Path) -> str:
+    """``target``'s stem, cut so that its temporary's name fits in NAME_MAX bytes: a legal name of 252
+    characters must not fail with "File name too long" about a name the user never gave."""
+    room = NAME_MAX - _TEMP_EXTRA - len(target.suffix.encode("utf-8", "surrogateescape"))
+    return target.stem.encode("utf-8", "surrogateescape")[:room].decode("utf-8", "ignore")
 
 
 def _temp_pattern(target: Path) -> re.Pattern[str]:
     """The names :func:`_temp_name` gives ``target``'s temporaries (host and pid absent in older odeify)."""
     return re.compile(
-        rf"\.{re.escape(target.stem)}\.tmp-(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]{{8}}{re.escape(target.suffix)}"
+        rf"\.{re.escape(_temp_stem(target))}\.tmp-(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]{{8}}{re.escape(target.suffix)}"
     )
 
 

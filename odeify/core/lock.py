@@ -23,7 +23,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: no locking, as before
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_FILE", "folder_lock"]
+__all__ = ["LOCK_FILE", "check_free", "folder_lock"]
 
 LOCK_FILE = ".odeify.lock"
 
@@ -66,11 +66,7 @@ def _locked(path: Path, folder: Path) -> int:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise ConfigError(
-                f"another fine-tuning run (pid {holder.get('pid', '?')} on {holder.get('host', 'this host')})"
-                f" is writing to {folder}; two runs in one folder would overwrite each other's checkpoints. "
-                "Wait for it to finish, stop it, or pass another --out folder."
-            ) from None
+            raise _held(folder, holder) from None
         try:
             current = os.stat(path).st_ino
         except FileNotFoundError:
@@ -78,6 +74,30 @@ def _locked(path: Path, folder: Path) -> int:
         if current == os.fstat(fd).st_ino:
             return fd
         os.close(fd)  # the holder before us removed this file as we opened it: lock the new one
+
+
+def check_free(folder: Path) -> None:
+    """Refuse, naming the holder, when a live run holds ``folder``'s lock (before reading what it writes)."""
+    if fcntl is None:
+        return
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no run has it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a holder's exclusive lock only
+    except BlockingIOError:
+        raise _held(folder, _holder(fd)) from None
+    finally:
+        os.close(fd)
+
+
+def _held(folder: Path, holder: dict) -> ConfigError:
+    return ConfigError(
+        f"another fine-tuning run (pid {holder.get('pid', '?')} on {holder.get('host', 'this host')}, "
+        f"holding {folder / LOCK_FILE}) is writing to {folder}; two runs in one folder would overwrite each "
+        "other's checkpoints. Wait for it to finish, stop it, or pass another --out folder."
+    )
 
 
 def _holder(fd: int) -> dict:

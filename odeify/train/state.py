@@ -27,6 +27,7 @@ from torch import nn
 from odeify.core.errors import ConfigError
 from odeify.core.fileio import atomic_write_bytes, read_header, read_json, read_tensors, remove_stale_temps
 from odeify.core.limits import MAX_STATE_BYTES
+from odeify.core.lock import check_free
 from odeify.core.paths import input_file
 from odeify.serialization.io import save
 from odeify.train.recipe import Recipe
@@ -253,7 +254,9 @@ def read_state(path: Path) -> dict:
 
 
 def read_run(folder: str | os.PathLike[str]) -> dict:
-    """The settings recorded with the run in ``folder`` (its ``run_info`` plus recipe, seed, refine_at)."""
+    """The settings recorded with the run in ``folder`` (its ``run_info`` plus recipe, seed, refine_at);
+    refused while a live run holds the folder (its first epoch has written nothing yet)."""
+    check_free(Path(folder))
     return read_record(Path(folder) / STATE_FILE)["run"]
 
 
