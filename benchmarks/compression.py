@@ -33,9 +33,9 @@ import argparse
 import copy
 import json
 import statistics
-from collections import OrderedDict
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,7 @@ def compressions(model: str) -> dict[str, dict[str, Any]]:
 
 
 def kept_blocks(depth: int, steps: int) -> list[int]:
-    """The blocks of a run of ``depth`` that ``steps`` Euler steps read first: ``floor(i * depth / steps)``."""
+    """The blocks of a run of ``depth`` that ``steps`` Euler steps read: ``floor(i * depth / steps)``."""
     return sorted({i * depth // steps for i in range(steps)})
 
 
