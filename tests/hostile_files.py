@@ -44,6 +44,7 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     folder.mkdir(parents=True, exist_ok=True)
     recipe, tensors = _read(valid)
     raw = valid.read_bytes()
+    head = "fc.weight"
     header_len = struct.unpack("<Q", raw[:8])[0]
     cases: dict[str, tuple[str, Path]] = {}
 
@@ -96,11 +97,15 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     put("recipe text", "recipe_deeply_nested", text="[" * 100_000 + "]" * 100_000)
     put("recipe text", "recipe_300_kib", text=json.dumps({**recipe, "pad": "x" * 300_000}))
     # --- format, versions, keys
-    put("recipe schema", "version_newer", top("version", 3))
+    put("recipe schema", "version_newer", top("version", recipe["version"] + 1))
     put("recipe schema", "version_2e64", top("version", 2**64))
     put("recipe schema", "version_float", top("version", 1.0))
     put("recipe schema", "version_negative", top("version", -1))
-    put("recipe schema", "version_1e999", text=json.dumps(recipe).replace('"version": 2', '"version": 1e999'))
+    put(
+        "recipe schema",
+        "version_1e999",
+        text=json.dumps(recipe).replace(f'"version": {recipe["version"]}', '"version": 1e999'),
+    )
     put("recipe schema", "duplicate_key", text=json.dumps(recipe)[:-1] + ', "dtype": "float64"}')
     put("recipe schema", "nan_literal", text=json.dumps(recipe).replace('"seed": 0', '"seed": NaN'))
     put("recipe schema", "version_missing", lambda b: b.pop("version"))
@@ -237,6 +242,32 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     )
     put("computes otherwise", "probe_point_unknown", lambda b: b["probe"]["points"].append(["evil", 0.0]))
     put("computes otherwise", "probe_error_negative", lambda b: b["probe"]["points"][0].__setitem__(1, -1.0))
+    # --- the file switching its own check off: it names no allowance, drops no probe, skips no check
+    unprobed = {k: v for k, v in tensors.items() if not k.startswith(PROBE)}
+
+    def lax(*edits: Callable[[dict], None]) -> Callable[[dict], None]:
+        def edit(body: dict) -> None:
+            body["probe"]["points"] = [[name, 1e300] for name, _ in body["probe"]["points"]]
+            for more in edits:
+                more(body)
+
+        return edit
+
+    gelu = kwargs(act_layer="gelu")
+    put("own check", "probe_allowance_1e300_gelu", lax(gelu))
+    put("own check", "probe_allowance_1e300_rk4", lax(stage("integrator", "rk4")))
+    put("own check", "probe_deleted_gelu", lambda b: (b.pop("probe"), gelu(b)), state=unprobed)
+    put("own check", "probe_null_gelu", lambda b: (b.update(probe=None), gelu(b)), state=unprobed)
+    put("own check", "version_1_no_probe_gelu", lambda b: (b.pop("probe"), b.update(version=1), gelu(b)),
+        state=unprobed)  # fmt: skip
+    put("own check", "head_3e38", state={**tensors, head: torch.full_like(tensors[head], 3e38)})
+    for label, value in (("zero", 0.0), ("1e30", 1e30), ("negative", -1.0)):
+        inv_std = torch.full_like(tensors["folds.bn1.inv_std"], value)
+        put("own check", f"fold_inv_std_{label}", state={**tensors, "folds.bn1.inv_std": inv_std})
+    zero_gamma = torch.zeros_like(tensors["layer1_ode.folds.bn2.gamma"])
+    put("own check", "fold_gamma_zero", state={**tensors, "layer1_ode.folds.bn2.gamma": zero_gamma})
+    huge_offset = torch.full_like(tensors["folds.bn1.offset"], 1e30)
+    put("own check", "fold_offset_1e30", state={**tensors, "folds.bn1.offset": huge_offset})
     # --- sizes a few bytes can ask for: refused against a budget, before anything is allocated
     put("resources", "input_shape_2_64_4096_4096", top("input_shape", [2, 64, 4096, 4096]))
     put(
@@ -247,7 +278,6 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     )
     # --- tensors
     knot = next(k for k in tensors if ".knots." in k and tensors[k].ndim == 5)
-    head = "fc.weight"
 
     def changed(**edits: torch.Tensor | None) -> dict[str, torch.Tensor]:
         state = dict(tensors)

@@ -61,7 +61,7 @@ def test_every_hostile_file_fails_cleanly(outcomes: dict[str, dict]) -> None:
     print(f"\n{len(cases)} hostile files: {dict(counts)}")
     bad = {k: f"{v['outcome']}: {v['detail']}" for k, v in cases.items() if v["outcome"] != "clean"}
     assert not bad, bad
-    assert len(cases) >= 148
+    assert len(cases) >= 159
 
 
 @pytest.mark.parametrize(
@@ -115,6 +115,17 @@ def test_every_hostile_file_fails_cleanly(outcomes: dict[str, dict]) -> None:
         ("knot_wrong_shape", "has shape"),
         ("missing_head", "missing fc.weight"),
         ("extra_tensor", "unexpected evil.weight"),
+        ("probe_allowance_1e300_gelu", "does not compute what was saved: at stage 'layer1'"),
+        ("probe_allowance_1e300_rk4", "does not compute what was saved: at stage 'layer1'"),
+        ("probe_deleted_gelu", "has no probe, which odeify.save always writes"),
+        ("probe_null_gelu", "has no probe, which odeify.save always writes"),
+        ("version_1_no_probe_gelu", "odeify.load(path, verify=False) (CLI: --no-verify)"),
+        ("head_3e38", "round-off at the model's output is inf"),
+        ("fold_inv_std_zero", "folds.bn1 holds inv_std from 0 to 0, which no BatchNorm gives"),
+        ("fold_inv_std_1e30", "folds.bn1 holds inv_std from 1e+30 to 1e+30, which no BatchNorm gives"),
+        ("fold_inv_std_negative", "which no BatchNorm gives"),
+        ("fold_gamma_zero", "layer1_ode.folds.bn2 does not rebuild layer1_ode.knots.conv2_weight"),
+        ("fold_offset_1e30", "folds.bn1 does not rebuild"),
     ],
 )
 def test_refusals_name_the_problem(outcomes: dict[str, dict], case: str, message: str) -> None:

@@ -82,7 +82,7 @@ def test_recipe_names_an_architecture_never_a_path(tmp_path, digits_ode):
         },
     }
     assert "/" not in json.dumps(recipe) and str(DEFAULT_MODEL_PATH.name) not in json.dumps(recipe)
-    assert set(recipe["versions"]) == {"odeify", "torch", "timm"} and recipe["version"] == 2
+    assert set(recipe["versions"]) == {"odeify", "torch", "timm"} and recipe["version"] == 3
 
 
 def test_module_source_loads_by_name(tmp_path):

@@ -17,11 +17,13 @@ import torch
 from safetensors import safe_open
 
 import odeify
+from odeify.cli.parser import main
 from odeify.core.errors import ModelLoadError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models._testing import make_test_model
 from odeify.serialization.io import RECIPE_KEY
 from odeify.serialization.probe import FACTOR, PROBE_PREFIX
+from odeify.serialization.schema import PROBE_SOURCE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,7 +48,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_save_records_each_stage_and_the_output_in_graph_order(saved: Path) -> None:
     recipe, tensors = _contents(saved)
-    assert recipe["version"] == 2
+    assert recipe["version"] == 3
     assert [name for name, _ in recipe["probe"]["points"]] == ["layer1", "layer2", "output"]
     assert all(error > 0 for _, error in recipe["probe"]["points"])
     assert tensors[PROBE_PREFIX + "output"].shape == (10,)  # batch 1, ten logits
@@ -106,11 +108,19 @@ def test_a_changed_function_is_far_past_round_off_and_named(saved: Path, tmp_pat
         assert distance > 1e3 * allowed
 
 
-def test_a_file_saved_before_the_probe_still_loads(saved: Path, tmp_path: Path) -> None:
+def test_a_file_saved_before_the_probe_loads_only_unchecked_on_request(saved: Path, tmp_path: Path) -> None:
+    """Version 1 has no probe: a downgraded file (here with another activation) would skip the check."""
     recipe, tensors = _contents(saved)
     recipe = {k: v for k, v in recipe.items() if k != "probe"} | {"version": 1}
     plain = {k: v for k, v in tensors.items() if not k.startswith(PROBE_PREFIX)}
-    old = odeify.load(_write(tmp_path / "v1.safetensors", recipe, plain))
+    path = _write(tmp_path / "v1.safetensors", recipe, plain)
+    gelu = json.loads(json.dumps(recipe))
+    gelu["arch"]["kwargs"]["act_layer"] = "gelu"
+    for file in (path, _write(tmp_path / "v1_gelu.safetensors", gelu, plain)):
+        with pytest.raises(ModelLoadError, match=r"older odeify \(format 1\) with no probe.*verify=False"):
+            odeify.load(file)
+    with pytest.warns(UserWarning, match="verify=False: its probe was not run"):
+        old = odeify.load(path, verify=False)
     x = torch.randn(3, 1, 32, 32)
     with torch.no_grad():
         assert torch.equal(old(x), odeify.load(saved)(x))
@@ -142,3 +152,121 @@ def test_saving_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     assert model.training and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     odeify.load(tmp_path / "m.safetensors")  # the probe ran in eval mode: no DropPath draw in it
+
+
+def _gelu(recipe: dict) -> None:
+    recipe["arch"]["kwargs"]["act_layer"] = "gelu"
+
+
+def _rk4(recipe: dict) -> None:
+    recipe["stages"][1]["integrator"] = "rk4"
+
+
+@pytest.mark.parametrize("edit", [_gelu, _rk4])
+def test_the_allowance_is_measured_at_load_not_read_from_the_file(saved: Path, tmp_path: Path, edit) -> None:
+    """Every point's recorded round-off raised to 1e300 does not let another function through."""
+    recipe, tensors = _contents(saved)
+    edit(recipe)
+    recipe["probe"]["points"] = [[name, 1e300] for name, _ in recipe["probe"]["points"]]
+    with pytest.raises(ModelLoadError, match="does not compute what was saved") as info:
+        odeify.load(_write(tmp_path / "lax.safetensors", recipe, tensors))
+    assert "the file says 1e+300 was measured when saving" in str(info.value)
+
+
+@pytest.mark.parametrize("probe", ["deleted", None])
+def test_a_current_file_without_its_probe_is_refused(saved: Path, tmp_path: Path, probe: None) -> None:
+    recipe, tensors = _contents(saved)
+    _gelu(recipe)
+    if probe is None:
+        recipe["probe"] = None
+    else:
+        del recipe["probe"]
+    plain = {k: v for k, v in tensors.items() if not k.startswith(PROBE_PREFIX)}
+    path = _write(tmp_path / "bare.safetensors", recipe, plain)
+    for verify in (True, False):  # save always writes a probe: no caller can vouch for its absence
+        with pytest.raises(ModelLoadError, match="has no probe, which odeify.save always writes"):
+            odeify.load(path, verify=verify)
+
+
+def test_a_probe_point_left_out_is_refused(saved: Path, tmp_path: Path) -> None:
+    """Without its point, stage layer1 (here another integrator) would go unchecked until the output."""
+    recipe, tensors = _contents(saved)
+    recipe["stages"][0]["integrator"] = "rk4"
+    recipe["probe"]["points"] = [p for p in recipe["probe"]["points"] if p[0] != "layer1"]
+    fewer = {k: v for k, v in tensors.items() if k != PROBE_PREFIX + "layer1"}
+    with pytest.raises(ModelLoadError, match="its probe checks stage 'layer2', the model's output, but"):
+        odeify.load(_write(tmp_path / "fewer.safetensors", recipe, fewer))
+
+
+def test_weights_that_overflow_leave_no_allowance(saved: Path, tmp_path: Path) -> None:
+    """Every head weight 3e38: the float32 logits are inf, so the model's own round-off is inf."""
+    recipe, tensors = _contents(saved)
+    huge = {**tensors, "fc.weight": torch.full_like(tensors["fc.weight"], 3e38)}
+    with pytest.raises(ModelLoadError, match="round-off at the model's output is inf.*overflows"):
+        odeify.load(_write(tmp_path / "huge.safetensors", recipe, huge))
+
+
+def test_one_probe_value_moved_is_refused(saved: Path, tmp_path: Path) -> None:
+    """The distance is the largest over a point's values: one value of 512 moved by 10x the allowance
+    is refused (a mean distance would be 10/512 = 0.02x the allowance)."""
+    recipe, tensors = _contents(saved)
+    error = dict(recipe["probe"]["points"])["layer2"]
+    values = tensors[PROBE_PREFIX + "layer2"].clone()
+    assert values.numel() == 512  # 32 channels x 4 x 4
+    values[200] += 10 * FACTOR * error
+    moved = {**tensors, PROBE_PREFIX + "layer2": values}
+    with pytest.raises(ModelLoadError, match="at stage 'layer2'"):
+        odeify.load(_write(tmp_path / "one.safetensors", recipe, moved))
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two linear knots for each stage: the file keeps the source's blocks (source_* tensors)."""
+    path = tmp_path_factory.mktemp("probe") / "linear2.safetensors"
+    odeify.save(odeify.retarget(odeify.convert(str(DEFAULT_MODEL_PATH)), knots=2, basis="linear"), path)
+    return path
+
+
+def test_the_source_network_is_probed(compressed: Path, tmp_path: Path) -> None:
+    """The source tensors are read by fine-tuning's teacher only: its output is a probe point."""
+    recipe, tensors = _contents(compressed)
+    assert [name for name, _ in recipe["probe"]["points"]][-1] == PROBE_SOURCE
+    kept = "layer1_ode.source_conv1_weight"
+    assert kept in tensors
+    moved = {**tensors, kept: tensors[kept] * 1.01}  # 1% on one slot of the first stage's blocks
+    with pytest.raises(ModelLoadError, match="at the source network's output"):
+        odeify.load(_write(tmp_path / "teacher.safetensors", recipe, moved))
+
+
+def test_an_older_file_with_unprobed_source_tensors_loads_only_unchecked(
+    compressed: Path, tmp_path: Path
+) -> None:
+    """Format 2 did not probe the source network: such a file is not checked enough to load unasked."""
+    recipe, tensors = _contents(compressed)
+    recipe["version"] = 2
+    recipe["probe"]["points"] = [p for p in recipe["probe"]["points"] if p[0] != PROBE_SOURCE]
+    older = {k: v for k, v in tensors.items() if k != PROBE_PREFIX + PROBE_SOURCE}
+    path = _write(tmp_path / "v2.safetensors", recipe, older)
+    with pytest.raises(ModelLoadError, match=r"format 2\) or altered.*verify=False"):
+        odeify.load(path)
+    with pytest.warns(UserWarning, match="verify=False"):
+        odeify.load(path, verify=False)
+
+
+def test_the_cli_refuses_in_one_paragraph_and_no_verify_loads(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file without a probe and one with an altered fold record: exit 2, one paragraph naming the fix."""
+    recipe, tensors = _contents(saved)
+    plain = {k: v for k, v in tensors.items() if not k.startswith(PROBE_PREFIX)}
+    old = {k: v for k, v in recipe.items() if k != "probe"} | {"version": 1}
+    older = _write(tmp_path / "v1.safetensors", old, plain)
+    zero = {**tensors, "folds.bn1.inv_std": torch.zeros_like(tensors["folds.bn1.inv_std"])}
+    altered = _write(tmp_path / "zero.safetensors", recipe, zero)
+    for path, message in ((older, "--no-verify"), (altered, "which no BatchNorm gives")):
+        assert main(["inspect", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("odeify: error: ") and err.count("\n") == 1 and message in err, err
+    assert main(["inspect", str(older), "--no-verify"]) == 0
+    assert "loaded with verify=False" in capsys.readouterr().err  # loaded unchecked, and said so
+    assert main(["inspect", str(altered), "--no-verify"]) == 2  # not a check the flag skips

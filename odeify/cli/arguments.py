@@ -54,6 +54,17 @@ def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_confi
     )
 
 
+def verify_argument(parser: argparse.ArgumentParser) -> None:
+    """--no-verify: load a converted file that its probe cannot check (``odeify.load(verify=False)``)."""
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="load a converted file without running its probe (one saved by an older odeify, which "
+        "has none or checks less), for a file you trust: nothing then shows it computes what was saved",
+    )
+
+
 def data_config_arguments(parser: argparse.ArgumentParser, *, full: bool) -> None:
     """timm's data-config flags, with train.py's names and meanings; ``full``: beyond the input size."""
     group = parser.add_argument_group(

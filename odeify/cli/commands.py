@@ -172,7 +172,8 @@ def _loaded(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
     """CONVERTED as saved, or MODEL converted at native depth; and its display name."""
     source = _source(args)
     if is_converted_file(source):
-        return apply_data_config(odeify.load(source), args, recorded=None), Path(source).name
+        loaded = odeify.load(source, verify=args.verify)
+        return apply_data_config(loaded, args, recorded=None), Path(source).name
     return _convert_source(args), Path(args.model).name if args.model else DEFAULT_MODEL_PATH.name
 
 
@@ -238,7 +239,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     if also is not None:
         _output_file(str(also), "--dot's converted graph", args)
     if converted:
-        return _inspect_converted(args, odeify.load(_source(args)), Path(_source(args)).name, dot, plot)
+        return _inspect_converted(
+            args, odeify.load(_source(args), verify=args.verify), Path(_source(args)).name, dot, plot
+        )
     return _inspect_source(args, dot, plot)
 
 
@@ -445,7 +448,7 @@ def run_retarget(args: argparse.Namespace) -> int:
         raise ConfigError(
             "retarget needs at least one of --integrator, --steps, --knots, --basis, --backward."
         )
-    loaded = odeify.load(source)
+    loaded = odeify.load(source, verify=args.verify)
     model = odeify.retarget(loaded, **settings)
     odeify.save(model, output)
     changes = retarget_changes(loaded, model, args.steps)

@@ -211,6 +211,7 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
         "is integrated. Tables go to stderr when --code or --json write to stdout.",
     )
     arg.model_arguments(inspect, "MODEL|CONVERTED")
+    arg.verify_argument(inspect)
     inspect.add_argument(
         "--code",
         action="store_true",
@@ -263,6 +264,7 @@ def _add_retarget(commands: argparse._SubParsersAction) -> None:
         "The original network is not needed.",
     )
     retarget.add_argument("model", metavar="CONVERTED", help="a file written by odeify convert -o")
+    arg.verify_argument(retarget)
     retarget.add_argument("-o", "--output", metavar="FILE", required=True, help="where to write the result")
     arg.manifestation_arguments(retarget, defaults=False)
     retarget.add_argument("--json", action="store_true", help="print the report as JSON (nothing else)")
@@ -280,6 +282,7 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "The defaults are the recipe measured in docs/finetuning.md. Runs unchanged under torchrun.",
     )
     arg.model_arguments(finetune, "MODEL|CONVERTED", data_config=True)
+    arg.verify_argument(finetune)
     arg.data_arguments(finetune, batch_size=None)
     arg.manifestation_arguments(finetune, defaults=False, finetuning=True)
     arg.augmentation_arguments(finetune)
@@ -401,6 +404,7 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
         "Evaluate MODEL|CONVERTED on the validation split (optionally in another manifestation, not saved).",
     )
     arg.model_arguments(evaluate, "MODEL|CONVERTED", data_config=True)
+    arg.verify_argument(evaluate)
     arg.data_arguments(evaluate)
     arg.manifestation_arguments(evaluate, defaults=False)
     evaluate.add_argument("--json", action="store_true", help="print the result as JSON (nothing else)")
@@ -415,6 +419,7 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         "each: a markdown table on stdout and a PNG of accuracy against field evaluations.",
     )
     arg.model_arguments(sweep, "MODEL|CONVERTED", data_config=True)
+    arg.verify_argument(sweep)
     arg.data_arguments(sweep)
     sweep.add_argument(
         "--integrators",
@@ -448,6 +453,7 @@ def _add_plot(commands: argparse._SubParsersAction) -> None:
         "Each stage's knot tensors: their norm over depth t, the knots as dots and the basis curve between.",
     )
     arg.model_arguments(plot, "MODEL|CONVERTED")
+    arg.verify_argument(plot)
     plot.add_argument(
         "-o", "--output", metavar="FILE", default="weight_path.png", help="default: weight_path.png"
     )

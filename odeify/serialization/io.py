@@ -5,13 +5,20 @@ architecture as a timm name and build kwargs, never a path or the source weights
 that architecture with random weights (or takes the ``model=`` you pass), converts it with the
 recorded settings, checks every saved tensor against the result, loads them (with the fold
 records and source tensors the file has: what fine-tuning reads, :mod:`odeify.passes.source`),
-and checks that the result computes what was saved (:mod:`odeify.serialization.probe`). It opens
+checks the fold records (:mod:`odeify.serialization.records`) and that the result computes what
+was saved, its source network included (:mod:`odeify.serialization.probe`). It opens
 no path but the one it is given and needs no network, so a file loads the same on any machine
 with odeify, torch and timm.
 
 ``save`` checks what it writes with load's own rules (:mod:`odeify.serialization.schema`, the tensor
 checks below, the resource budgets): a model load would refuse is refused before anything is
 written, with the same words.
+
+What a file may not decide: whether it is checked. A current-version file without its probe is
+refused (``save`` always writes one); an older one whose probe does not check all it holds (none
+in version 1; not the source network in version 2) loads only when the caller passes
+``verify=False``, with a warning; the probe's allowance is measured on the rebuilt model, never
+read from the file.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from odeify.models.timm_interface import ConvertedModel
 from odeify.passes.fold_bn import FOLDS, drop_fold_records
 from odeify.passes.source import attach_sources, drop_sources
 from odeify.serialization.probe import PROBE_PREFIX, check_probe, record_probe
-from odeify.serialization.recipe import DTYPES, Recipe, integrator_of, recipe_of
+from odeify.serialization.recipe import DTYPES, FORMAT_VERSION, Recipe, integrator_of, recipe_of
+from odeify.serialization.records import check_fold_records
 from odeify.serialization.schema import RecipeError, parse_recipe, validate_recipe
 
 __all__ = ["RECIPE_KEY", "load", "save"]
@@ -67,6 +75,8 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     _refuse_unloadable(tensors, target)
     probe, probe_tensors = record_probe(model)
+    if probe is None:
+        raise _refused(target, "the model has no tensor output to probe (a stage's or its own)")
     recipe = recipe_of(model, probe)
     if recipe.arch is None:
         record = model.meta.get(META, {})
@@ -124,12 +134,16 @@ def load(
     model: nn.Module | None = None,
     *,
     leaf_modules: Sequence[type[nn.Module]] = (),
+    verify: bool = True,
 ) -> ConvertedModel:
     """Rebuild a converted model saved with ``save``; in eval mode, outputs identical to the saved one.
 
     ``model``: an instance of the source architecture, needed only when the source was a custom
     ``nn.Module`` (an un-initialised instance is enough: its weights are ignored). ``leaf_modules``:
-    as given to ``convert``. Files saved before the probe existed (format version 1) load unchecked by it.
+    as given to ``convert``. ``verify=False``: skip the probe, for a file you trust that it cannot
+    check (saved by an older odeify: format 1 has no probe, format 2's does not cover the source
+    network), with a warning; the schema, tensor and fold-record checks still run. A current-version
+    file without its probe is refused either way.
     """
     path = input_file(path, "converted model", error=ModelLoadError)
     recipe, header = _read_header(path)
@@ -142,11 +156,38 @@ def load(
     _match_training_records(converted, state, path)
     _check_tensors(converted, state, path)
     converted.load_state_dict(state, strict=True)
+    check_fold_records(converted, source, path)
     if recipe.pretrained_cfg:
         converted.pretrained_cfg = {**converted.pretrained_cfg, **recipe.pretrained_cfg}
-    if recipe.probe is not None:
-        check_probe(converted, recipe.probe, probe, str(path))
+    _check_probe_present(recipe, path, verify)  # after the checks that name what else is wrong
+    if verify:
+        check_probe(converted, recipe.probe, probe, str(path))  # type: ignore[arg-type]
+    else:
+        warnings.warn(
+            f"{path}: loaded with verify=False: its probe was not run, so nothing shows that it computes "
+            "what was saved; use it only if you trust the file",
+            UserWarning,
+            stacklevel=2,
+        )
     return converted.eval()
+
+
+def _check_probe_present(recipe: Recipe, path: Path, verify: bool) -> None:
+    """A current file has its probe; an older one without it loads only with ``verify=False``."""
+    if recipe.probe is not None:
+        return
+    if recipe.version == FORMAT_VERSION:
+        raise ModelLoadError(
+            f"{path} has no probe, which odeify.save always writes (format {FORMAT_VERSION}): without it "
+            "nothing shows that the file computes what was saved. It was damaged or altered; save the "
+            "model again from its source."
+        )
+    if verify:
+        raise ModelLoadError(
+            f"{path} was saved by an older odeify (format {recipe.version}) with no probe, so nothing shows "
+            "that it computes what was saved. If you trust the file, load it unchecked with "
+            "odeify.load(path, verify=False) (CLI: --no-verify), then save it again to record a probe."
+        )
 
 
 def _read_header(path: Path) -> tuple[Recipe, dict[str, tuple[tuple[int, ...], str]]]:

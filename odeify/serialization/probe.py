@@ -4,10 +4,16 @@ A file's tensors can fit the model its recipe rebuilds while the rebuilt model c
 else (a build kwarg that changes the activation or the pooling, a stage entry missing from the
 recipe). So ``save`` runs the model on a fixed seeded input of the recorded input size (batch 1)
 and records, for each stage in graph order and for the whole model's output, a subsample of what
-it computed and how far that was from the same model in float64 (its own round-off, measured then).
-``load`` runs the rebuilt model in float64 on the same input and compares: every probe point must
-lie within :data:`FACTOR` times the round-off measured at save or at load (whichever is larger),
-and the first point past it is named. A changed function is off by orders of magnitude more.
+it computed; a model that keeps its source's tensors (:mod:`odeify.passes.source`: compressed,
+refined or fine-tuned) records its source network's output too, the teacher fine-tuning distills
+from, which the model's own forward never reads. ``load`` runs the rebuilt model in float64 on the
+same input and compares: every probe point must lie within :data:`FACTOR` times the round-off of
+the rebuilt model, measured at load, and the first point past it is named.
+
+The allowance is never read from the file: a file that could name its own allowance could switch
+its check off. Each recorded point still carries the round-off the saving machine measured (format
+versions 2 and 3), which a refusal shows beside the allowance; nothing else reads it. A rebuilt
+model whose own round-off is not finite (a weight so large that float32 overflows) is refused.
 
 Why against float64: the same file loaded on another CPU computes with other kernels, whose float32
 results differ from the saving machine's by float32 round-off of the whole model, which depends on
@@ -20,6 +26,7 @@ the ratio of the two dtypes' unit round-offs.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +39,8 @@ from odeify.compiler.record import META
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ModelLoadError
 from odeify.ir.meta import node_tag
-from odeify.serialization.schema import PROBE_OUTPUT
+from odeify.passes.source import SOURCE_PREFIX
+from odeify.serialization.schema import PROBE_OUTPUT, PROBE_SOURCE
 
 __all__ = ["FACTOR", "PROBE_PREFIX", "PROBE_SEED", "check_probe", "record_probe"]
 
@@ -41,7 +49,7 @@ PROBE_PREFIX = "@probe/"  # tensor names of the probe values in the file ('@' is
 PROBE_VALUES = 4096  # at most this many values per point, evenly strided over the flattened output
 ULPS_FLOOR = 8  # a point's round-off is taken as at least 8 ulps of its dtype at its largest value
 FACTOR = 4.0
-"""A loaded model's float64 probe may be FACTOR x the larger measured round-off from the saved values.
+"""A loaded model's float64 probe may be FACTOR x its own measured round-off from the saved values.
 
 In theory the distance is at most the saving machine's round-off plus float64's, about 1x. Measured
 on AMD EPYC, loading with another convolution implementation than the one that saved (oneDNN off,
@@ -68,36 +76,89 @@ def record_probe(model: nn.Module) -> tuple[dict[str, Any] | None, dict[str, tor
 def check_probe(
     model: nn.Module, record: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], where: str
 ) -> None:
-    """Refuse a loaded ``model`` whose probe is past round-off from the saved one; name the first point."""
-    saved = {name: tensors.get(PROBE_PREFIX + name) for name, _ in record["points"]}
+    """Refuse a loaded ``model`` whose probe is past round-off from the saved one; name the first point.
+
+    The points must be those the rebuilt model has (a point left out would go unchecked), and the
+    allowance is the rebuilt model's own round-off: finite, and never read from the file.
+    """
     values, errors = _measure(model, seed=record["seed"], reference=True)
+    _check_points([name for name, _ in record["points"]], list(values), where)
     for name, saved_error in record["points"]:
-        value, mine = saved[name], values.get(name)
-        if value is None or mine is None or value.shape != mine.shape or value.dtype != model_dtype(model):
+        value, mine = tensors.get(PROBE_PREFIX + name), values[name]
+        if value is None or value.shape != mine.shape or value.dtype != model_dtype(model):
             raise ModelLoadError(
                 f"{where}: the saved probe of {_label(name)} does not fit the model its recipe rebuilds "
-                f"(saved {None if value is None else tuple(value.shape)}, rebuilt "
-                f"{None if mine is None else tuple(mine.shape)}); the file is damaged or was altered"
+                f"(saved {None if value is None else (tuple(value.shape), value.dtype)}, rebuilt "
+                f"{(tuple(mine.shape), model_dtype(model))}); the file is damaged or was altered"
             )
-        distance = float((value.double() - mine).abs().max())
-        allowed = FACTOR * max(saved_error, errors[name])
+        allowed = FACTOR * errors[name]
+        if not math.isfinite(allowed):
+            raise ModelLoadError(
+                f"{where}: the rebuilt model's own {model_dtype(model)} round-off at {_label(name)} is "
+                f"{allowed / FACTOR:.3g}: its tensors hold values so large that it overflows, so no probe "
+                "can check it. The file is damaged or was altered; convert the source again."
+            )
+        distance = _distance(value, mine)
         if not distance <= allowed:  # NaN fails too
             raise ModelLoadError(
                 f"{where}: the rebuilt model does not compute what was saved: at {_label(name)} its output "
-                f"is {distance:.3g} from the saved one, over the {allowed:.3g} that round-off allows (the "
-                "first difference is there or before it). The recipe or the tensors were altered, or this "
-                "odeify, torch or timm builds the architecture differently; convert the source again."
+                f"is {distance:.3g} from the saved one, over the {allowed:.3g} that round-off allows "
+                f"(measured on the rebuilt model; the file says {saved_error:.3g} was measured when saving; "
+                "the first difference is there or before it). The recipe or the tensors were altered, or "
+                "this odeify, torch or timm builds the architecture differently; convert the source again."
             )
 
 
+def _check_points(recorded: list[str], rebuilt: list[str], where: str) -> None:
+    """The file's probe points are the rebuilt model's, in order; a missing source point is named."""
+    if recorded == rebuilt:
+        return
+    if PROBE_SOURCE in rebuilt and PROBE_SOURCE not in recorded:
+        raise ModelLoadError(
+            f"{where}: the file keeps its source network's tensors ({SOURCE_PREFIX}*, the teacher "
+            "fine-tuning distills from) but its probe does not check them: it was saved by an older "
+            "odeify (format 2) or altered. If you trust the file, load it unchecked with "
+            "odeify.load(path, verify=False) (CLI: --no-verify) and save it again to record a full probe."
+        )
+    raise ModelLoadError(
+        f"{where}: its probe checks {', '.join(map(_label, recorded))}, but the model its recipe rebuilds "
+        f"has {', '.join(map(_label, rebuilt))}; the file is damaged or was altered"
+    )
+
+
 def _label(name: str) -> str:
-    return "the model's output" if name == PROBE_OUTPUT else f"stage {name!r}"
+    labels = {PROBE_OUTPUT: "the model's output", PROBE_SOURCE: "the source network's output"}
+    return labels.get(name, f"stage {name!r}")
 
 
 def _measure(
     model: nn.Module, seed: int = PROBE_SEED, reference: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Each point's values at ``model``'s dtype (float64 with ``reference``) and its measured round-off."""
+    """Each point's values at ``model``'s dtype (float64 with ``reference``) and its measured round-off:
+    the model's stages and output, then its source network's output where it keeps one."""
+    values, errors = _measure_network(model, seed, reference)
+    teacher = _source_network(model)
+    if teacher is not None:
+        more, more_errors = _measure_network(teacher, seed, reference)
+        values[PROBE_SOURCE], errors[PROBE_SOURCE] = more[PROBE_OUTPUT], more_errors[PROBE_OUTPUT]
+    return values, errors
+
+
+def _source_network(model: nn.Module) -> fx.GraphModule | None:
+    """The network ``model``'s kept source tensors compute (on the CPU); None when it keeps none,
+    or too few to run it (then fine-tuning has no teacher from it either)."""
+    from odeify.train.manifestations import source_network, unknown_source  # train builds on this package
+
+    kept = any(name.rpartition(".")[2].startswith(SOURCE_PREFIX) for name, _ in model.named_buffers())
+    if not kept or unknown_source(model) is not None:  # type: ignore[arg-type]
+        return None
+    return source_network(_on_cpu(model))
+
+
+def _measure_network(
+    model: nn.Module, seed: int, reference: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """:func:`_measure` of ``model``'s own stages and output."""
     dtype = model_dtype(model)
     shape = tuple(model.meta[META]["input_shape"])
     x = torch.randn((1, *shape[1:]), generator=torch.Generator().manual_seed(seed)).to(dtype)

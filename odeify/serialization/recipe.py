@@ -40,8 +40,9 @@ __all__ = [
 ]
 
 FORMAT = "odeify.converted"
-FORMAT_VERSION = 2  # bump when a recipe changes meaning; load refuses newer ones. 2: the probe
-READS = (1, 2)  # version 1 (before the probe) still loads, unchecked by a probe
+FORMAT_VERSION = 3  # bump when a recipe changes meaning; load refuses newer ones. 2: the probe;
+# 3: the probe checks the source network's output where the model keeps its source tensors
+READS = (1, 2, 3)  # older versions load where their probe checks all they hold, or with verify=False
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,

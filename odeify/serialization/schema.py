@@ -48,9 +48,10 @@ from odeify.serialization.recipe import (
     stage_module,
 )
 
-__all__ = ["PROBE_OUTPUT", "RecipeError", "parse_recipe", "validate_recipe"]
+__all__ = ["PROBE_OUTPUT", "PROBE_SOURCE", "RecipeError", "parse_recipe", "validate_recipe"]
 
 PROBE_OUTPUT = "output"  # the probe point of the whole model's output (the others are stage names)
+PROBE_SOURCE = "source:output"  # its source network's output (format 3; no stage name has a ':')
 _DIGITS = MAX_TABLEAU_DIGITS
 _RATIONAL = re.compile(rf"-?\d{{1,{_DIGITS}}}(/\d{{1,{_DIGITS}}})?")  # how Fraction prints; no exponents
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -98,7 +99,7 @@ def validate_recipe(body: object) -> Recipe:
         pretrained_cfg=_pretrained_cfg(body.get("pretrained_cfg", {}), shape[1]),  # type: ignore[union-attr]
         versions=_versions(body.get("versions", {})),  # type: ignore[union-attr]
         whole_model=_flag(body.get("whole_model", False), "whole_model"),  # type: ignore[union-attr]
-        probe=_probe(body.get("probe"), stages) if version >= 2 else None,  # type: ignore[union-attr]
+        probe=_probe(body.get("probe"), stages, version) if version >= 2 else None,  # type: ignore[union-attr]
         version=version,
     )
 
@@ -249,15 +250,17 @@ def _versions(value: object) -> dict[str, str]:
     return dict(value)  # type: ignore[arg-type]
 
 
-def _probe(value: object, stages: Sequence[StageRecipe]) -> dict[str, Any] | None:
-    """{"seed": int, "points": [[name, error], ...]}: each point a stage (once, in order) or the output."""
+def _probe(value: object, stages: Sequence[StageRecipe], version: int) -> dict[str, Any] | None:
+    """{"seed": int, "points": [[name, error], ...]}: each point a stage (once, in order), the output or
+    (format 3) the source network's output. ``error``: the round-off measured when saving, which
+    load shows in a refusal and never uses as its allowance (the probe measures its own)."""
     if value is None:
         return None
     _expect(isinstance(value, dict) and set(value) == {"seed", "points"}, "probe must be {seed, points}")
     _expect(_is_int(value["seed"]), "probe seed must be an integer in [0, 2^31]")  # type: ignore[index]
     points = value["points"]  # type: ignore[index]
-    allowed = [s.name for s in stages] + [PROBE_OUTPUT]
-    _expect(isinstance(points, list) and 1 <= len(points) <= MAX_STAGES + 1, "probe points: a short list")
+    allowed = [s.name for s in stages] + [PROBE_OUTPUT] + ([PROBE_SOURCE] if version >= 3 else [])
+    _expect(isinstance(points, list) and 1 <= len(points) <= MAX_STAGES + 2, "probe points: a short list")
     for point in points:
         ok = isinstance(point, list) and len(point) == 2 and isinstance(point[0], str)
         ok = ok and isinstance(point[1], (int, float)) and not isinstance(point[1], bool)
