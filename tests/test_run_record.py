@@ -94,6 +94,31 @@ def test_resume_of_a_finished_run_with_more_epochs_continues_it(
     assert "'batch_size'" not in err  # the settings that agree are not printed
 
 
+def test_an_extension_killed_in_its_first_epoch_resumes_extended_at_its_log_interval(
+    converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from odeify.train.trainer import Trainer
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise Killed
+
+    run = tmp_path / "run"
+    assert main(_tune(converted_file, run, "--epochs", "1")) == 0  # --log-interval 2
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "train_epoch", killed)
+        with pytest.raises(Killed):
+            main(["finetune", "--resume", "--out", str(run), "--epochs", "2"])
+    capsys.readouterr()
+    assert main(["finetune", "--resume", "--out", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "has finished" not in out and "done: 2 epochs trained" in out
+    progress = [line.split("]")[0] for line in out.splitlines() if line.startswith("epoch 2/2 [")]
+    assert progress == ["epoch 2/2 [2/3", "epoch 2/2 [3/3"]  # every 2 batches, as recorded; not 50
+
+
 def test_ctrl_c_in_finetune_says_how_to_resume(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

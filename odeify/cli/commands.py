@@ -592,6 +592,7 @@ RECORDED = (
     "leaf",
     "deterministic",
     "teacher",
+    "log_interval",
 )
 
 
@@ -655,6 +656,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         start_processes,
         stop_processes,
     )
+    from odeify.train.progress import DEFAULT_LOG_INTERVAL
 
     RECIPE_FIELDS = {f.name for f in fields(DEFAULT_RECIPE)}  # noqa: N806
     timm_style = _timm_flags(args)
@@ -693,7 +695,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             teacher=settings.teacher,
             run_info={"cli": {k: getattr(settings, k) for k in RECORDED}},
             deterministic=settings.deterministic,
-            log_interval=settings.log_interval,
+            log_interval=settings.log_interval or DEFAULT_LOG_INTERVAL,
         )
     finally:
         stop_processes()
@@ -718,7 +720,8 @@ def _augmentation(settings: argparse.Namespace, model: nn.Module):
 
 _RECORDED_TYPES: dict[str, tuple[type, ...]] = {
     "steps": (str, int), "knots": (str, int), "num_classes": (int,), "pretrained": (bool,), "ema": (bool,),
-    "deterministic": (bool,), "input_size": (int,), "leaf": (str,), "img_size": (int,),
+    "deterministic": (bool,), "log_interval": (int,), "input_size": (int,), "leaf": (str,),
+    "img_size": (int,),
     "mean": (float,), "std": (float,), "crop_pct": (float,), "no_aug": (bool,), "scale": (float,),
     "ratio": (float,), "hflip": (float,), "vflip": (float,), "color_jitter": (float,), "reprob": (float,),
 }  # fmt: skip

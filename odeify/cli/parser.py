@@ -336,10 +336,9 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
     finetune.add_argument(
         "--log-interval",
         type=arg.positive_int,
-        default=50,
         metavar="N",
         help="when output is not a terminal (or TQDM_DISABLE is set): a progress line every N batches "
-        "(default 50, as timm's train.py)",
+        "(default 50, as timm's train.py; --resume: the run's own)",
     )
     finetune.add_argument(
         "--deterministic",

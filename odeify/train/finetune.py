@@ -107,6 +107,7 @@ from odeify.train.state import (
     read_run,
     read_state,
     require_folder,
+    write_state,
 )
 from odeify.train.state_schema import StateError, check_tensors
 from odeify.train.trainer import Trainer, reseed, stage_shape, validate, validation
@@ -393,7 +394,7 @@ def _resume(
     sequence of its last epoch, which a kill may have cut short; returns its history."""
     state = read_state(folder / STATE_FILE)
     check_fingerprint(state.get("started_from"), started_from, folder)  # first: the cause, when data changed
-    check_same_run(state["run"], run, folder, growing=("recipe.epochs",))
+    check_same_run(state["run"], run, folder, growing=("recipe.epochs",), free=("cli.log_interval",))
     for epoch in refine_epochs:
         if epoch <= state["epoch"]:
             trainer.replace_model(refine(trainer.model))
@@ -413,6 +414,8 @@ def _resume(
         recorded_epochs, epochs = state["run"]["recipe"]["epochs"], trainer.recipe.epochs
         if epochs > recorded_epochs:
             LOGGER.info(extension_note(recorded_epochs, epochs, trainer.step, trainer.total_steps))
+            # the extension is recorded now: a kill in its first epoch must not end the run at the old count
+            write_state(folder / STATE_FILE, trainer, state["epoch"], history, run, started_from)
         elif state["epoch"] >= epochs:
             LOGGER.info(finished_note(folder, epochs))
     if trainer.procs.world_size > 1:

@@ -279,15 +279,22 @@ def require_folder(folder: Path | None) -> Path:
 
 
 def check_same_run(
-    recorded: dict, current: dict, folder: Path | None, *, growing: tuple[str, ...] = ()
+    recorded: dict,
+    current: dict,
+    folder: Path | None,
+    *,
+    growing: tuple[str, ...] = (),
+    free: tuple[str, ...] = (),
 ) -> None:
     """Refuse to resume with settings that differ from the recorded run's (it would not be that run),
     naming each setting that differs (``recipe.lr``, ``cli.data``); the settings ``growing`` names
-    may be larger than recorded (``recipe.epochs``: a finished run trained further)."""
+    may be larger than recorded (``recipe.epochs``: a finished run trained further), those ``free``
+    names may differ (``cli.log_interval``: how often progress is shown)."""
     differing = [
         (key, old, new)
         for key, old, new in _differences(recorded, _jsonable(current))
-        if not (key in growing and isinstance(old, int) and isinstance(new, int) and new > old)
+        if key not in free
+        and not (key in growing and isinstance(old, int) and isinstance(new, int) and new > old)
     ]
     if differing:
         detail = "; ".join(f"{key}: recorded {old!r:.80}, now {new!r:.80}" for key, old, new in differing)
