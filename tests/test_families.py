@@ -170,7 +170,7 @@ reverse 0 where every stage falls back to checkpointing (all but ConvNeXt); reve
 
 SPLIT_CNNS = ("ghostnet_050",)
 """CNNs with a split stage (GhostNet's last stage: blocks without and with squeeze-excitation, period
-2), which refuses a reversible integrator: a model-wide ``integrator='reversible_heun'`` is refused."""
+2): there ``integrator='reversible_heun'`` means its Lie-Trotter splitting (measured: 3.3e-13)."""
 
 
 REVERSE_FACTOR = 10
@@ -188,8 +188,15 @@ def _gradients(model: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> di
     return {"x": x.grad, **{name: p.grad for name, p in model.named_parameters()}}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+ZERO_GRADIENT = 1e-4
+"""A gradient below this fraction of the model's largest is judged against that fraction of the
+largest instead of itself: here such gradients are the round-off of analytically zero ones (a key
+bias before a softmax, a bias a norm removes: 1e-17..1e-14 against norms of 1..100), whose relative
+error between two exact orders of summation is O(1)."""
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    return float((a - b).norm() / max(float(b.norm()), floor))
 
 
 @pytest.mark.parametrize("mode", list(INTEGRATOR))
@@ -204,19 +211,19 @@ def test_cnn_backward_modes_match_backprop(test_model, image, family: Family, mo
     """Whole model, float64, twice the native depth: each memory-free mode gives backprop's gradients."""
     model = test_model(family.name, dtype=torch.float64, **family.kwargs)
     integrator = INTEGRATOR[mode]
-    if mode == "reversible" and family.name in SPLIT_CNNS:  # refused, naming the splitting schemes
-        with pytest.raises(ConfigError, match="is a split stage"):
-            odeify.convert(model, integrator=integrator, steps="x2", input_size=BACKWARD_SHAPE)
-        return
     backprop = odeify.convert(model, integrator=integrator, steps="x2", input_size=BACKWARD_SHAPE)
     memory_free = odeify.set_backward(copy.deepcopy(backprop), mode)
     assert all(s.backward == mode for s in converted_stages(memory_free))
+    if family.name in SPLIT_CNNS and mode == "reversible":
+        assert converted_stages(memory_free)[-1].integrator.name == f"lie_trotter_{integrator}"
     x = image(BACKWARD_SHAPE, dtype=torch.float64)
     cotangent = image((BACKWARD_SHAPE[0], 1000), dtype=torch.float64, seed=1)
     _check_gradients_match(backprop, memory_free, mode, x, cotangent)
 
 
-def _check_gradients_match(backprop: nn.Module, memory_free: nn.Module, mode: str, x, cotangent) -> None:
+def _check_gradients_match(
+    backprop: nn.Module, memory_free: nn.Module, mode: str, x, cotangent, bound: float | None = None
+) -> None:
     """``memory_free``'s gradients of ``(model(x) * cotangent).sum()`` are ``backprop``'s, within
     GRADIENT_TOLERANCE; reverse is approximate by design: within 10x what its reconstructions report."""
     with warnings.catch_warnings():
@@ -224,8 +231,9 @@ def _check_gradients_match(backprop: nn.Module, memory_free: nn.Module, mode: st
         want = _gradients(backprop, x, cotangent)
         got = _gradients(memory_free, x, cotangent)
     assert got.keys() == want.keys() and all(g is not None for g in got.values())
-    errors = {name: _rel(got[name], want[name]) for name in want}
-    bound = GRADIENT_TOLERANCE[mode]
+    floor = ZERO_GRADIENT * max(float(g.norm()) for g in want.values())
+    errors = {name: _rel(got[name], want[name], floor) for name in want}
+    bound = GRADIENT_TOLERANCE[mode] if bound is None else bound
     if mode == "reverse":
         stepped_back = [s for s in converted_stages(memory_free) if not s.adjoint_stats.fallbacks]
         reported = sum(sum(s.adjoint_stats.last_errors) for s in stepped_back)
@@ -251,24 +259,37 @@ SPLIT_BACKWARD = ("eva", "cait", "resmlp", "mixer", "poolformer", "poolformer_v2
 Swin in tests/test_swin.py, DeiT is the ViT's code)."""
 
 
+TRANSFORMER_INTEGRATOR = {"checkpoint": "euler", "reverse": "euler", "reversible": "alf"}
+"""Lie-Trotter (``euler`` on a split stage), and its reversible form for ``reversible`` (``alf``: ALF
+sub-steps on the split stages, ALF on the single-block runs)."""
+
+
 @pytest.mark.parametrize("key", SPLIT_BACKWARD)
-@pytest.mark.parametrize("mode", ["checkpoint", "reverse"])
+@pytest.mark.parametrize("mode", list(TRANSFORMER_INTEGRATOR))
 def test_transformer_backward_modes_match_backprop(test_model, image, key: str, mode: str) -> None:
     """Whole model, float64, Lie-Trotter at twice the native steps: each memory-saving mode gives
     backprop's gradients (reverse: within 10x the reconstruction errors it reports where it steps
-    back); reversible is refused. Measured (AMD EPYC, 1 thread): checkpoint 0 on all eight; reverse
-    cannot rebuild these random-weight states and falls back to checkpointing on every stage: 0."""
+    back); reversible runs Lie-Trotter ALF, rebuilding every state exactly, and is refused for
+    Lie-Trotter Euler. Measured (AMD EPYC, 1 thread): checkpoint 0 on all eight; reverse cannot
+    rebuild these random-weight states and falls back to checkpointing on every stage: 0;
+    reversible (bound: the issue's 1e-10): eva 4.0e-12, cait 1.6e-12, resmlp 2.0e-12, mixer 5.0e-13,
+    poolformer 6.3e-13, poolformer_v2 1.2e-12, efficientformer 1.8e-12, levit 4.5e-13 (ResMLP's and
+    EfficientFormer's third stage outgrow the float64 lattice's 2^8 and fall back: exact too)."""
     family = TRANSFORMERS[key]
     model = test_model(family.name, dtype=torch.float64, **family.kwargs)
     shape = batch(family, 1)
-    backprop = odeify.convert(model, steps="x2", input_size=shape)
+    integrator = TRANSFORMER_INTEGRATOR[mode]
+    backprop = odeify.convert(model, integrator=integrator, steps="x2", input_size=shape)
     memory_free = odeify.set_backward(copy.deepcopy(backprop), mode)
     x = image(shape, dtype=torch.float64)
     with torch.no_grad():
         cotangent = image(tuple(backprop(x).shape), dtype=torch.float64, seed=1)
-    _check_gradients_match(backprop, memory_free, mode, x, cotangent)
-    with pytest.raises(ConfigError, match="checkpoint"):
-        odeify.set_backward(copy.deepcopy(backprop), "reversible")
+    _check_gradients_match(backprop, memory_free, mode, x, cotangent, 1e-10 if mode == "reversible" else None)
+    if mode == "reversible":  # every state rebuilt bit for bit (or kept: a fallback, also exact)
+        assert all(s.adjoint_stats.worst_error == 0 for s in converted_stages(memory_free))
+    else:
+        with pytest.raises(ConfigError, match="integrator='alf'.*checkpoint"):
+            odeify.set_backward(copy.deepcopy(backprop), "reversible")
 
 
 SCALES = {
@@ -337,8 +358,9 @@ def test_levit_analysis_leaves_the_model_alone(image) -> None:
 def test_vit_converted_at_batch_1_trains_at_batch_2(test_model, image) -> None:
     """The issue's failure: at batch 1 ``x + pos_embed`` became a stage, and ``reversible`` broke at
     batch 2 (grad_output of shape [2, 17, 192] against [1, 17, 192]). The period-2 run is now one
-    split stage, which refuses reversible, so the memory-saving mode here is checkpoint (the stage,
-    and the rest as checkpointed segments). Gradients equal eager timm's (measured: 0)."""
+    split stage, at Lie-Trotter Euler (the network), which refuses reversible, so the memory-saving
+    mode here is checkpoint (the stage, and the rest as checkpointed segments). Gradients equal
+    eager timm's (measured: 0)."""
     family = TRANSFORMERS["vit"]
     model = test_model(family.name, dtype=torch.float64, **family.kwargs)
     converted = odeify.convert(model, backward="checkpoint", input_size=batch(family, 1))
