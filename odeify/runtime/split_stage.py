@@ -125,11 +125,12 @@ class SplitStage(ODEStage):
         self.field_forms = tuple(forms)
         self.field_variant_targets = tuple(targets)
         self.field_nodes = tuple(len(t.graph.nodes) for t in templates)
-        self.random_glue = _random_glue(templates)
         super().__init__(
             name, templates[0], all_slots, all_tensors, forms[0], depth, all_variants, **settings
         )
         self.field_templates = nn.ModuleList(templates)
+        if self.backward == "reversible":  # _validated ran before the templates were attributes
+            self._refuse_random_glue()
 
     @property
     def num_fields(self) -> int:
@@ -172,15 +173,16 @@ class SplitStage(ODEStage):
             validate_midpoints(integrator, settings.basis, knots, settings.steps, name, fields)
         else:
             evaluations = len(integrator.substeps(self.num_fields)) * TABLEAUS[integrator.substep].stages
-        if settings.backward == "reversible":
+        if settings.backward == "reversible" and hasattr(self, "field_templates"):
             self._refuse_random_glue()
         check_graph_nodes(name, settings.steps, evaluations, max(self.field_nodes))
         return settings
 
     def _refuse_random_glue(self) -> None:
         """Refuse glue (the reshapes between sub-blocks that a sub-field holds) that draws random numbers."""
-        if self.random_glue is not None:
-            field, node = self.random_glue
+        found = _random_glue(self.field_templates)
+        if found is not None:
+            field, node = found
             raise ConfigError(
                 f"stage '{self.stage_name}': sub-field F_{field + 1} holds glue '{node}' between its "
                 "sub-blocks that may draw random numbers, and backward='reversible' is built for draws "
