@@ -326,3 +326,76 @@ def test_lift_keeps_each_blocks_drop_path_in_train_mode(test_model, image) -> No
         other_draw = model(x)
     assert (got - expected).abs().max().item() == 0.0
     assert (other_draw - expected).abs().max().item() > 0.1 * expected.abs().max().item()  # draws matter
+
+
+# --- guards that a pass's structure checks hold: each test fails when its guard is removed -----------
+
+
+def _random_bn(channels: int, generator: torch.Generator) -> nn.BatchNorm2d:
+    """A BatchNorm with random affine parameters and statistics (a fresh one folds to the identity)."""
+    bn = nn.BatchNorm2d(channels)
+    with torch.no_grad():
+        for tensor in (bn.weight, bn.bias, bn.running_mean):
+            tensor.copy_(torch.randn(channels, generator=generator))
+        bn.running_var.copy_(torch.rand(channels, generator=generator) + 0.5)
+    return bn
+
+
+class _Dilated(nn.Module):
+    def __init__(self, dilation: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=dilation, dilation=dilation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x)
+
+
+class _SharedConv(nn.Module):
+    """One conv weight read by two convs, each followed by its own BatchNorm."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn_a, self.bn_b = _random_bn(8, generator), _random_bn(8, generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn_b(self.conv(torch.relu(self.bn_a(self.conv(x)))))
+
+
+class _Net(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def _assert_computes(model: nn.Module, converted: nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(converted(x), expected, rtol=RTOL, atol=RTOL * expected.abs().max().item())
+
+
+def test_blocks_that_differ_in_an_int_literal_are_not_one_run(image) -> None:
+    """Three ``x + conv(x)`` blocks with dilations 1, 2, 4 differ only in int arguments of their conv
+    call: three runs. Were ints wildcards in block signatures (as floats are), they would be one
+    stage computing with block 0's dilation: measured 5.6e-2 relative off in float64."""
+    torch.manual_seed(0)
+    model = _Net([_Dilated(d) for d in (1, 2, 4)]).double().eval()
+    x = image((2, 3, 16, 16), dtype=torch.float64)
+    converted = odeify.convert(model, input_size=(2, 3, 16, 16))
+    assert [stage.depth for stage in odeify.converted_stages(converted)] == [1, 1, 1]
+    _assert_computes(model, converted, x)
+
+
+def test_a_conv_weight_read_twice_is_not_folded(image) -> None:
+    """Folding a BatchNorm rewrites its conv's weight: a weight that a second conv (with another
+    BatchNorm) reads must stay. Folded anyway, both convs read one folded weight: 0.79 relative off."""
+    model = _Net([_SharedConv(torch.Generator().manual_seed(0))]).double().eval()
+    shape = (2, 3, 16, 16)
+    gm = trace(copy.deepcopy(model))
+    annotate_shapes(gm, shape)
+    _assert_computes(model, fold_batchnorm(gm), image(shape, dtype=torch.float64))
