@@ -119,6 +119,20 @@ def test_an_extension_killed_in_its_first_epoch_resumes_extended_at_its_log_inte
     assert progress == ["epoch 2/2 [2/3", "epoch 2/2 [3/3"]  # every 2 batches, as recorded; not 50
 
 
+def test_the_loss_shown_says_what_it_is_and_a_smoothing_without_effect_is_named(
+    converted_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_tune(converted_file, tmp_path / "run", "--epochs", "1", "--smoothing", "0.1")) == 0
+    out = capsys.readouterr().out
+    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert "epoch 1/1 [3/3]: loss (distillation) " in out  # the default recipe: distill 1
+    assert f"train loss (distillation) {history[1]['train_loss']:.4f}" in out
+    assert "--smoothing 0.1 smooths the cross-entropy term, which has weight 0 here" in out
+    assert main(_tune(converted_file, tmp_path / "mixed", "--epochs", "1", "--distill", "0.5")) == 0
+    out = capsys.readouterr().out
+    assert "train loss (0.5 cross-entropy + 0.5 distillation) " in out and "--smoothing" not in out
+
+
 def test_ctrl_c_in_finetune_says_how_to_resume(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

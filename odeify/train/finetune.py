@@ -89,6 +89,7 @@ from odeify.train.progress import (
     extension_note,
     finished_note,
     header,
+    loss_name,
     refine_message,
     run_summary,
     teacher_line,
@@ -238,7 +239,13 @@ def finetune(
                 trainer.save(folder, epoch, history, run, started_from)
             if procs.is_main:
                 LOGGER.info(
-                    epoch_line(record, recipe.epochs, max(h.val_accuracy for h in history[:-1]), folder)
+                    epoch_line(
+                        record,
+                        recipe.epochs,
+                        max(h.val_accuracy for h in history[:-1]),
+                        folder,
+                        loss_name(recipe, teacher is not None),
+                    )
                 )
         if procs.is_main:
             LOGGER.info(run_summary(history, folder))

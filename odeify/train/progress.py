@@ -30,6 +30,7 @@ __all__ = [
     "extension_note",
     "finished_note",
     "header",
+    "loss_name",
     "plural",
     "refine_message",
     "run_summary",
@@ -53,8 +54,10 @@ class BatchProgress:
     """An epoch's progress: tqdm's bar on a terminal; else (a log file, a pipe) or with TQDM_DISABLE
     set, one log line every ``interval`` batches and at the last (timm's --log-interval)."""
 
-    def __init__(self, total: int, epoch: int, epochs: int, *, show: bool, interval: int) -> None:
-        self.total, self.epoch, self.epochs, self.interval = total, epoch, epochs, interval
+    def __init__(
+        self, total: int, epoch: int, epochs: int, *, show: bool, interval: int, loss: str = "loss"
+    ) -> None:
+        self.total, self.epoch, self.epochs, self.interval, self.loss = total, epoch, epochs, interval, loss
         self.done, self.started, self.bar, self.lines = 0, time.perf_counter(), None, False
         if not show:
             return
@@ -74,8 +77,8 @@ class BatchProgress:
         elif self.lines and (self.done % self.interval == 0 or self.done == self.total):
             seconds = time.perf_counter() - self.started
             LOGGER.info(
-                f"epoch {self.epoch}/{self.epochs} [{self.done}/{self.total}]: loss {loss:.4f}, accuracy "
-                f"{accuracy:.2%}, lr {lr:.3g}, {seconds / self.done:.3f} s per batch"
+                f"epoch {self.epoch}/{self.epochs} [{self.done}/{self.total}]: {self.loss} {loss:.4f}, "
+                f"accuracy {accuracy:.2%}, lr {lr:.3g}, {seconds / self.done:.3f} s per batch"
             )
 
     def close(self) -> None:
@@ -90,6 +93,15 @@ def bar_wanted() -> bool:
     return sys.stderr.isatty() and not disabled
 
 
+def loss_name(recipe: Recipe, distilling: bool) -> str:
+    """What the training loss shown is: cross-entropy, the distillation term, or their mix."""
+    if not distilling or recipe.distill == 0:
+        return "loss"
+    if recipe.distill == 1:
+        return "loss (distillation)"
+    return f"loss ({1 - recipe.distill:g} cross-entropy + {recipe.distill:g} distillation)"
+
+
 def teacher_line(teacher_accuracy: float, start: float, recipe: Recipe) -> str:
     line = (
         f"distilling (weight {recipe.distill:g}, temperature {recipe.temperature:g}) from the teacher: "
@@ -97,6 +109,16 @@ def teacher_line(teacher_accuracy: float, start: float, recipe: Recipe) -> str:
     )
     if teacher_accuracy < start:
         line += " -- below the model's own; fine-tune without distillation (distill=0, --distill 0) instead"
+    if recipe.distill == 1:
+        line += (
+            "; the loss shown is the distillation term alone, 0 where the model computes its teacher's "
+            "function, whatever the accuracy"
+        )
+        if recipe.label_smoothing:
+            line += (
+                f"; --smoothing {recipe.label_smoothing:g} smooths the cross-entropy term, which has weight "
+                "0 here: it has no effect unless --distill is below 1"
+            )
     return line
 
 
@@ -151,7 +173,9 @@ def extension_note(recorded: int, epochs: int, step: int, total: int) -> str:
     )
 
 
-def epoch_line(record: EpochRecord, epochs: int, best_before: float, folder: Path | None) -> str:
+def epoch_line(
+    record: EpochRecord, epochs: int, best_before: float, folder: Path | None, loss: str = "loss"
+) -> str:
     mark = " (best)" if record.val_accuracy > best_before else ""
     saved = f"; saved {folder / LAST_FILE}" if folder is not None else ""
     raw = (
@@ -160,7 +184,7 @@ def epoch_line(record: EpochRecord, epochs: int, best_before: float, folder: Pat
         else f" (weight average; last step {record.val_accuracy_raw:.2%})"
     )
     return (
-        f"epoch {record.epoch}/{epochs}: train loss {record.train_loss:.4f}, train accuracy "
+        f"epoch {record.epoch}/{epochs}: train {loss} {record.train_loss:.4f}, train accuracy "
         f"{record.train_accuracy:.2%}, val accuracy {record.val_accuracy:.2%}{raw}{mark}, "
         f"{record.seconds:.1f} s{saved}"
     )

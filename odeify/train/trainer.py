@@ -30,7 +30,7 @@ from odeify.train.distributed import Processes
 from odeify.train.evaluate import evaluate
 from odeify.train.manifestations import refine
 from odeify.train.parametrization import SourceCoordinates, param_groups
-from odeify.train.progress import DEFAULT_LOG_INTERVAL, BatchProgress
+from odeify.train.progress import DEFAULT_LOG_INTERVAL, BatchProgress, loss_name
 from odeify.train.recipe import EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import STATE_FILE, EpochRecord, ema_rng, write_epoch_outputs, write_state
@@ -135,7 +135,8 @@ class Trainer:
         params = list(self.trained.values())
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
         self.model.train()
-        bar = BatchProgress(batches, epoch, recipe.epochs, show=show, interval=log_interval)
+        loss = loss_name(recipe, self.teacher is not None)
+        bar = BatchProgress(batches, epoch, recipe.epochs, show=show, interval=log_interval, loss=loss)
         started = time.perf_counter()
         for index, (x, y) in enumerate(loader):
             if index == batches:
