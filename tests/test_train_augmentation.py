@@ -76,6 +76,18 @@ def test_command_line_flags_change_only_what_they_name(trained: tuple[Path, Path
     assert _augmentation(argparse.Namespace(**dict.fromkeys(AUGMENTATION_FLAGS)), model) is None
 
 
+def test_the_log_says_which_settings_were_given_and_which_came_from_the_file(
+    trained: tuple[Path, Path],
+) -> None:
+    path, folder = trained
+    model = odeify.convert(str(path))
+    settings = argparse.Namespace(**{**dict.fromkeys(AUGMENTATION_FLAGS), "hflip": 0.5})  # --hflip 0.5
+    said = open_data(folder, model, _augmentation(settings, model)).augmentation
+    recorded = Augmentation(scale=tuple(TRAIN_PY_AUGMENTATION["scale"])).describe()  # the file's --scale
+    file = "as the source was trained (its file records train.py's settings)"
+    assert said == f"as given: --hflip 0.5; {file}: {recorded}"  # was "as given: --scale 0.5 1 --hflip 0.5"
+
+
 def test_a_file_without_the_settings_gets_timm_s_defaults(tmp_path: Path) -> None:
     path = train_checkpoint(
         make_test_model("resnet18", num_classes=2), tmp_path / "run", "resnet18", 2, img_size=32

@@ -88,13 +88,14 @@ class Augmentation:
     aa: str | None = None
     reprob: float = 0.0
 
-    def describe(self) -> str:
-        """The settings that differ from timm's defaults, as train.py flags ("--hflip 0"), or "defaults"."""
-        defaults = asdict(Augmentation())
+    def describe(self, base: Mapping[str, Any] | None = None) -> str:
+        """The settings that differ from ``base`` (default: timm's defaults), as train.py flags
+        ("--hflip 0"), or "defaults"."""
+        base = {**asdict(Augmentation()), **(base or {})}
         changed = [
             f"--{name.replace('_', '-')}" + ("" if value is True else f" {_flag_value(value)}")
             for name, value in asdict(self).items()
-            if value != defaults[name]
+            if value != base[name]
         ]
         return " ".join(changed) or "defaults"
 
@@ -121,11 +122,16 @@ def open_data(
                 "--data DIR."
             )
         return _digits(model)
-    if augmentation is not None:
-        said = f"as given: {augmentation.describe()}"
-    elif recorded := recorded_augmentation(model):
+    recorded = recorded_augmentation(model)
+    from_file = "as the source was trained (its file records train.py's settings)"
+    if augmentation is not None:  # what differs from the file is given; what the file set and is kept, said
+        same = {k: v for k, v in asdict(augmentation).items() if k in recorded and recorded[k] == v}
+        kept = Augmentation(**same)
+        said = f"as given: {augmentation.describe(recorded)}"
+        said += f"; {from_file}: {kept.describe()}" if kept != Augmentation() else ""
+    elif recorded:
         augmentation = Augmentation(**recorded)
-        said = f"as the source was trained (its file records train.py's settings): {augmentation.describe()}"
+        said = f"{from_file}: {augmentation.describe()}"
     else:
         augmentation, said = Augmentation(), "timm's defaults"
     return replace(_image_folder(Path(spec).expanduser(), model, augmentation), augmentation=said)
