@@ -185,9 +185,10 @@ class SplitStage(ODEStage):
             field, node = found
             raise ConfigError(
                 f"stage '{self.stage_name}': sub-field F_{field + 1} holds glue '{node}' between its "
-                "sub-blocks that may draw random numbers, and backward='reversible' is built for draws "
-                "inside the sub-blocks only (DropPath, dropout). Use backward='checkpoint' (exact "
-                "gradients, memory ~ steps/k + k states), or set that dropout's rate to 0."
+                "sub-blocks that may draw random numbers, and backward='reversible' is built and tested "
+                "for the draws of the sub-blocks themselves only (DropPath, dropout, replayed in "
+                "backward). Use backward='checkpoint' (exact gradients, memory ~ steps/k + k states), "
+                "or set that dropout's rate to 0."
             )
 
     @property
