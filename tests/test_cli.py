@@ -371,11 +371,18 @@ def test_sweep_table_and_plot(
     assert main([*argv, "--plot", str(png), "--markdown", str(md)]) == 0
     out = capsys.readouterr().out
     rows = {(r[0], r[1]): r for r in (line.strip("| ").split(" | ") for line in out.splitlines()[2:])}
-    assert {k: int(r[3]) for k, r in rows.items()} == {  # NFE: evaluations per step x steps, both stages
+    assert {k: int(r[4]) for k, r in rows.items()} == {  # NFE: evaluations per step x steps, both stages
         ("euler", "1"): 2, ("euler", "native"): 7, ("rk4", "1"): 8, ("rk4", "native"): 28,
     }  # fmt: skip
-    assert float(rows["euler", "native"][4]) == pytest.approx(100 * digits_accuracy(source), abs=0.005)
+    assert float(rows["euler", "native"][5]) == pytest.approx(100 * digits_accuracy(source), abs=0.005)
     assert md.read_text().strip() == out.strip() and png.read_bytes().startswith(PNG)
+    assert {r[3] for r in rows.values()} == {odeify.load(converted_file).layer1_ode.basis}  # the model's
+    linear_argv = [*argv[:4], "--integrators", "euler", "--steps", "1", "--knots", "2", "--basis", "linear"]
+    assert main([*linear_argv, "--plot", str(png)]) == 0
+    [row] = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    linear = odeify.retarget(odeify.load(converted_file), steps=1, knots=2, basis="linear")
+    assert row[:4] == ["euler", "1", "2", "linear"]
+    assert float(row[5]) == pytest.approx(100 * digits_accuracy(linear), abs=0.005)
 
 
 def test_plot_weight_path(converted_file: Path, tmp_path: Path) -> None:
@@ -574,7 +581,7 @@ def test_each_command_end_to_end_in_a_subprocess(tmp_path: Path) -> None:
     odeify_cli("plot", str(coarse), "-o", str(tmp_path / "path.png"))
     sweep = odeify_cli("sweep", str(ode), "--data", "digits", "--integrators", "heun", "--steps", "1",
                        "--plot", str(tmp_path / "sweep.png"))  # fmt: skip
-    assert "| heun | 1 | native | 4 |" in sweep.stdout
+    assert "| heun | 1 | native | constant | 4 |" in sweep.stdout
     tuned = odeify_cli("finetune", str(coarse), "--data", "digits", "--epochs", "1", "--max-batches", "2",
                        "--out", str(run))  # fmt: skip
     assert "epoch 1/1" in tuned.stdout and "backward checkpoint" in tuned.stdout

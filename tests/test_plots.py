@@ -36,8 +36,8 @@ def test_linear_path_interpolates_between_knots(native: torch.nn.Module) -> None
 def test_plots_write_png_files_and_nothing_else(native: torch.nn.Module, tmp_path: Path) -> None:
     plot_weight_path(native, tmp_path / "path.png")
     points = [
-        SweepPoint("euler", "1", "native", 2, 0.9, 0.01),
-        SweepPoint("euler", "2", "native", 4, 0.97, 0.02),
+        SweepPoint("euler", "1", "native", "constant", 2, 0.9, 0.01),
+        SweepPoint("euler", "2", "native", "constant", 4, 0.97, 0.02),
     ]
     plot_sweep(points, tmp_path / "sweep.png")
     plot_history(

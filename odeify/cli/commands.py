@@ -554,6 +554,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         args.integrators,
         args.steps,
         args.knots,
+        basis=args.basis,
         max_batches=args.max_batches,
     )
     lines = sweep_markdown(points)

@@ -440,6 +440,11 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         metavar="LIST",
         help="comma-separated knot counts (default: native)",
     )
+    sweep.add_argument(
+        "--basis",
+        choices=list(arg.BASES),
+        help="the basis the knots are refitted in (default: the model's own, shown in the table)",
+    )
     sweep.add_argument("--plot", metavar="FILE", default="sweep.png", help="the PNG (default: sweep.png)")
     sweep.add_argument("--markdown", metavar="FILE", help="also write the table to FILE")
 

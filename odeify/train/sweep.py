@@ -1,7 +1,8 @@
 """Accuracy and cost of one converted model over many manifestations, without any training.
 
-``odeify sweep`` retargets the model to every (integrator, steps, knots) combination asked for and
-evaluates each: the trade-off between field evaluations (NFE) and accuracy a user picks from.
+``odeify sweep`` retargets the model to every (integrator, steps, knots) combination asked for, in one
+basis (the model's own unless another is asked for), and evaluates each: the trade-off between field
+evaluations (NFE) and accuracy a user picks from.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from itertools import product
 
 import torch.fx as fx
 
-from odeify.compiler.conversion import retarget
+from odeify.compiler.conversion import converted_stages, retarget
 from odeify.inspection.report import markdown_table
 from odeify.train.evaluate import evaluate
 from odeify.train.progress import LOGGER
@@ -27,6 +28,7 @@ class SweepPoint:
     integrator: str
     steps: str
     knots: str
+    basis: str
     nfe: int
     accuracy: float
     seconds_per_batch: float
@@ -39,25 +41,29 @@ def sweep(
     steps: Sequence[int | str],
     knots: Sequence[int | str] = ("native",),
     *,
+    basis: str | None = None,
     max_batches: int | None = None,
 ) -> list[SweepPoint]:
     """Evaluate ``model`` retargeted to every combination; ``batches()`` yields a fresh pass of data.
 
-    Knots are refitted from the model as given (least squares below its count, resampled above);
-    every point runs with ``backward='backprop'`` (evaluation never runs a backward pass). Each
-    point is logged as it is measured (``logging.getLogger("odeify")``).
+    Knots are refitted from the model as given (least squares below its count, resampled above), in
+    ``basis`` (default: the model's own); every point runs with ``backward='backprop'`` (evaluation
+    never runs a backward pass). Each point is logged as it is measured (``logging.getLogger("odeify")``).
     """
     points = []
     for integrator, step, knot in product(integrators, steps, knots):
-        manifestation = retarget(model, integrator=integrator, steps=step, knots=knot, backward="backprop")
+        manifestation = retarget(
+            model, integrator=integrator, steps=step, knots=knot, basis=basis, backward="backprop"
+        )
         result = evaluate(manifestation, batches(), max_batches=max_batches)
+        used = ",".join(sorted({stage.basis for stage in converted_stages(manifestation)}))
         point = SweepPoint(
-            integrator, str(step), str(knot), result.nfe, result.accuracy, result.seconds_per_batch
+            integrator, str(step), str(knot), used, result.nfe, result.accuracy, result.seconds_per_batch
         )
         points.append(point)
         LOGGER.info(
-            f"{point.integrator:>16} steps {point.steps:>6} knots {point.knots:>6}: NFE {point.nfe:>4}, "
-            f"accuracy {point.accuracy:.2%}"
+            f"{point.integrator:>16} steps {point.steps:>6} knots {point.knots:>6} {point.basis}: NFE "
+            f"{point.nfe:>4}, accuracy {point.accuracy:.2%}"
         )
     return points
 
@@ -69,6 +75,7 @@ def sweep_markdown(points: Sequence[SweepPoint]) -> list[str]:
             p.integrator,
             p.steps,
             p.knots,
+            p.basis,
             str(p.nfe),
             f"{100 * p.accuracy:.2f}",
             f"{1000 * p.seconds_per_batch:.1f}",
@@ -76,5 +83,5 @@ def sweep_markdown(points: Sequence[SweepPoint]) -> list[str]:
         for p in points
     ]
     return markdown_table(
-        ("integrator", "steps", "knots", "NFE", "accuracy %", "ms/batch"), rows, text_columns=3
+        ("integrator", "steps", "knots", "basis", "NFE", "accuracy %", "ms/batch"), rows, text_columns=4
     )
