@@ -129,3 +129,12 @@ def test_plan_tables(resnet18: nn.Module) -> None:
     discrete = _render(format_discrete_table(plan))
     assert "blocks that stay discrete" in discrete
     assert "layer2.0" in discrete and "projection" in discrete and "64x16x16 -> 128x8x8" in discrete
+
+
+@pytest.mark.parametrize("name", ["resnet18", "convnext_atto"])
+def test_the_caption_says_batchnorm_was_folded_only_where_there_was_one(name: str) -> None:
+    source = make_test_model(name)
+    report = describe(odeify.convert(source, input_size=(1, 3, 32, 32)))
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in source.modules())
+    assert report.folded_batchnorm == has_batchnorm == (name == "resnet18")
+    assert ("BatchNorm folded into convs" in _render(format_report_table(report))) == has_batchnorm

@@ -19,6 +19,7 @@ from odeify.compiler.conversion import converted_stages
 from odeify.compiler.record import META
 from odeify.core.errors import ConfigError
 from odeify.ir.plan import Plan
+from odeify.passes.fold_bn import fold_records
 
 FORM_NAMES = {"post": "post-activation", "pre": "pre-activation"}
 
@@ -49,6 +50,7 @@ class ConversionReport:
     parameters_before: int
     parameters_after: int
     not_lifted: tuple[tuple[str, str], ...] = ()
+    folded_batchnorm: bool = False  # whether convert folded BatchNorm layers into convolutions
 
     @property
     def nfe(self) -> int:
@@ -71,6 +73,7 @@ class ConversionReport:
             "parameters_before": self.parameters_before,
             "parameters_after": self.parameters_after,
             "not_lifted": dict(self.not_lifted),
+            "folded_batchnorm": self.folded_batchnorm,
         }
 
 
@@ -104,6 +107,7 @@ def describe(converted: nn.Module, name: str | None = None) -> ConversionReport:
         parameters_before=int(meta["original_parameters"]),
         parameters_after=sum(p.numel() for p in converted.parameters()),
         not_lifted=tuple(meta.get("not_lifted", {}).items()),
+        folded_batchnorm=any(fold_records(module) for module in converted.modules()),
     )
 
 
@@ -177,7 +181,7 @@ def format_report_table(report: ConversionReport) -> Table:
     ratio = report.parameters_after / report.parameters_before if report.parameters_before else float("nan")
     caption = (
         f"parameters: {report.parameters_before:,} before, {report.parameters_after:,} after "
-        f"({ratio:.3f}x; BatchNorm folded into convs)"
+        f"({ratio:.3f}x{'; BatchNorm folded into convs' if report.folded_batchnorm else ''})"
     )
     if report.not_lifted:
         caption += "; not lifted: " + "; ".join(f"{_text(n)} ({_text(why)})" for n, why in report.not_lifted)
