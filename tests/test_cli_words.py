@@ -26,3 +26,14 @@ def test_list_shows_every_integrator_and_the_backward_modes(capsys: pytest.Captu
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "backward modes (--backward)" in out and all(n in out for n in ("alf", "lie_trotter", "strang"))
+
+
+def test_every_example_in_the_help_is_one_command_per_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from odeify.cli.parser import COMMAND_EXAMPLES
+
+    for command in COMMAND_EXAMPLES:
+        assert main([command, "--help"]) == 0
+        examples = capsys.readouterr().out.split("examples:\n")[1]
+        for line in examples.splitlines():
+            said = line.split("  #")[0].strip()  # the command, without its comment
+            assert "  " not in said, (command, line)  # a '\' ending a line of the source's string joined two

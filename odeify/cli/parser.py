@@ -60,7 +60,7 @@ examples:
   odeify convert -o digits_ode.safetensors        # exact at native depth; prints the verification
   odeify convert resnet50 --pretrained -o r50.safetensors --integrator rk4 --steps 2
   odeify convert model_best.pth.tar --arch resnet50 --num-classes 10 --ema -o ode.safetensors
-  odeify convert vit.safetensors --arch vit_tiny_patch16_224 --img-size 32 \
+  odeify convert vit.safetensors --arch vit_tiny_patch16_224 --img-size 32 \\
       --model-kwargs img_size=32 patch_size=8 depth=6 -o vit_ode.safetensors
   odeify convert resnet50 --steps x0.5 --knots 2 --basis linear --json
 """,
