@@ -92,3 +92,23 @@ def test_resume_while_the_run_is_alive_names_its_lock(
     assert f"pid {os.getpid()}" in err and str(run / LOCK_FILE) in err and "not found" not in err
     assert main(["finetune", "--data", "digits", "--out", str(run), "--resume"]) == 2  # the lock is free
     assert "not found" in capsys.readouterr().err
+
+
+def test_a_probe_of_another_dtype_is_named_by_its_dtype(source: torch.nn.Module, tmp_path: Path) -> None:
+    import safetensors
+    import safetensors.torch
+
+    from odeify.core.errors import ModelLoadError
+    from odeify.serialization.probe import PROBE_PREFIX
+
+    path = tmp_path / "m.safetensors"
+    odeify.save(odeify.convert(source), path)
+    with safetensors.safe_open(str(path), "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    name = next(k for k in tensors if k.startswith(PROBE_PREFIX))
+    tensors[name] = tensors[name].half()  # same shape, another dtype
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(ModelLoadError) as refused:
+        odeify.load(path)
+    shape = tuple(tensors[name].shape)  # the same on both sides: only the dtypes tell them apart
+    assert f"saved ({shape}, torch.float16), rebuilt ({shape}, torch.float32)" in str(refused.value)
