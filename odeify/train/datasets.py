@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 from odeify.core.budget import check_input_bytes
 from odeify.core.errors import OdeifyError
 from odeify.core.limits import MAX_NUM_CLASSES
+from odeify.core.words import plural
 from odeify.models.data_config import AA_BOUNDS, aa_policy
 from odeify.models.timm_interface import default_input_size
 
@@ -271,7 +272,7 @@ def scan_folder(folder: Path) -> tuple[list[tuple[str, int]], dict[str, int]]:
     walk(os.fspath(folder), frozenset())
     if skipped:
         warnings.warn(
-            f"{folder}: skipped {len(skipped)} entries that are not image files ({', '.join(skipped[:3])}"
+            f"{folder}: skipped {plural(len(skipped), 'file')} that are not images ({', '.join(skipped[:3])}"
             f"{', ...' if len(skipped) > 3 else ''}); odeify reads regular files named "
             f"*{', *'.join(IMAGE_SUFFIXES)}.",
             UserWarning,
