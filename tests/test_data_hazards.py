@@ -32,7 +32,7 @@ def test_a_fifo_among_the_images_is_skipped_by_name(native: torch.nn.Module, tmp
     root = image_folder(tmp_path, train=2, val=1)
     os.mkfifo(root / "train" / "digit_1" / "zz_fifo.png")
     (root / "train" / "digit_1" / "notes.txt").write_text("not an image")
-    skipped = r"skipped 2 files that are not images \(digit_1/notes\.txt, digit_1/zz_fifo\.png\)"
+    skipped = r"skipped 2 files, not images: digit_1/notes\.txt, digit_1/zz_fifo\.png;"
     with pytest.warns(UserWarning, match=skipped):
         data = open_data(root, native)
     assert len(data.train) == 4

@@ -272,8 +272,8 @@ def scan_folder(folder: Path) -> tuple[list[tuple[str, int]], dict[str, int]]:
     walk(os.fspath(folder), frozenset())
     if skipped:
         warnings.warn(
-            f"{folder}: skipped {plural(len(skipped), 'file')} that are not images ({', '.join(skipped[:3])}"
-            f"{', ...' if len(skipped) > 3 else ''}); odeify reads regular files named "
+            f"{folder}: skipped {plural(len(skipped), 'file')}, not images: {', '.join(skipped[:3])}"
+            f"{', ...' if len(skipped) > 3 else ''}; odeify reads regular files named "
             f"*{', *'.join(IMAGE_SUFFIXES)}.",
             UserWarning,
             stacklevel=4,
