@@ -22,8 +22,9 @@ from torch import nn
 import odeify
 import odeify.passes as passes
 from odeify.compiler.analysis import analyze_graph
+from odeify.models._testing import make_test_model
 from odeify.passes.contract import PassContractError, PassSpec, graph_pass, graph_properties
-from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm
+from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm, fold_records
 from odeify.passes.head import head_nodes
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.passes.properties import BLOCKS, BN_FOLDED, LOWERED, RUNS, SEGMENTS, SHAPES, STAGE_CALLS
@@ -399,3 +400,41 @@ def test_a_conv_weight_read_twice_is_not_folded(image) -> None:
     gm = trace(copy.deepcopy(model))
     annotate_shapes(gm, shape)
     _assert_computes(model, fold_batchnorm(gm), image(shape, dtype=torch.float64))
+
+
+def test_a_run_of_frozen_convs_keeps_no_record_of_a_tensor_it_cannot_train() -> None:
+    """A source whose weights do not train folds into frozen knots (buffers): a stage's fold record
+    must name trainable knots, which fine-tuning reads as parameters; a record naming frozen knots
+    (stacked whatever the slot's kind) points at no parameter. Lift checks the kind of both folded
+    tensors, which folding makes alike (a folded bias trains as its weight does): this test fails
+    when both checks go, not when one does."""
+    converted = odeify.convert(make_test_model("odeify.digits_resnet").requires_grad_(False))
+    stages = odeify.converted_stages(converted)
+    assert {slot.kind for stage in stages for slot in stage.slots} == {"buffer"}
+    for owner in (converted, *stages):
+        for record in fold_records(owner).values():
+            owner.get_parameter(record.scaled), owner.get_parameter(record.shifted)
+
+
+class _Nested(nn.Module):
+    """``x + f(x)`` whose branch holds a residual ``h + conv(h)`` of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv0 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv_a = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv_b = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv0(x))
+        return x + self.conv_b(torch.relu(h + self.conv_a(h)))
+
+
+def test_a_residual_inside_a_block_is_part_of_it(image) -> None:
+    """Only the outermost blocks are blocks: an inner ``h + conv(h)`` is part of its block's branch.
+    Kept as a block of its own, lifting the outer run failed (KeyError in lift_runs)."""
+    torch.manual_seed(0)
+    model = _Net([_Nested(), _Nested()]).double().eval()
+    converted = odeify.convert(model, input_size=(2, 3, 16, 16))
+    assert [stage.depth for stage in odeify.converted_stages(converted)] == [2]
+    _assert_computes(model, converted, image((2, 3, 16, 16), dtype=torch.float64))
