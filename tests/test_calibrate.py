@@ -184,3 +184,38 @@ def test_empty_folder_and_bad_settings_are_refused(resnet: nn.Module, tmp_path: 
             calibrate(coarse, torch.randn(2, 1, 32, 32, dtype=torch.float64), progress=False, **bad)
     with pytest.raises(ConfigError, match="converted model"):
         calibrate(copy.deepcopy(LinearBlocks()), torch.randn(2, 2, 4, 4), progress=False)
+
+
+def test_command_line_calibrates_and_refuses_a_native_file(tmp_path: Path, capsys) -> None:
+    """``odeify retarget --calibrate`` and ``odeify calibrate`` write a calibrated file whose logits
+    are the Python call's for the same seed; a native file is refused with exit 2 and the fix."""
+    from odeify.cli.parser import main
+
+    native = odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
+    odeify.save(native, tmp_path / "native.safetensors")
+    odeify.save(odeify.retarget(native, steps=1), tmp_path / "one.safetensors")
+    assert main([
+        "retarget", str(tmp_path / "native.safetensors"), "-o", str(tmp_path / "a.safetensors"),
+        "--steps", "1", "--calibrate", "digits", "--calibrate-images", "16",
+    ]) == 0  # fmt: skip
+    assert main([
+        "calibrate", str(tmp_path / "one.safetensors"), "--data", "digits",
+        "-o", str(tmp_path / "b.safetensors"), "--calibrate-images", "16",
+    ]) == 0  # fmt: skip
+    assert "residual" in capsys.readouterr().err
+    expected, _ = calibrate(odeify.retarget(native, steps=1), "digits", images=16, progress=False)
+    x = open_data("digits", native).val.tensors[0][:8]
+    with torch.no_grad():
+        for name in ("a", "b"):
+            assert torch.equal(odeify.load(tmp_path / f"{name}.safetensors")(x), expected(x)), name
+    code = main(
+        [
+            "calibrate",
+            str(tmp_path / "native.safetensors"),
+            "--data",
+            "digits",
+            "-o",
+            str(tmp_path / "c.safetensors"),
+        ]
+    )
+    assert code == 2 and "--steps x0.5" in capsys.readouterr().err

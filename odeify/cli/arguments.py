@@ -437,3 +437,25 @@ integrator_list = list_of(integrator)
 
 def epoch_list(text: str) -> list[int]:
     return sorted(set(list_of(positive_int)(text)))
+
+
+def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) -> None:
+    """The calibration flags: where the images are (``data_flag``: --calibrate on retarget, --data on
+    calibrate), how many, the time budget and the seed."""
+    group = parser.add_argument_group("calibration (odeify.calibrate: stages fitted to the source network)")
+    required = data_flag == "--data"
+    group.add_argument(
+        data_flag,
+        metavar="DIR|digits",
+        required=required,
+        help="unlabelled images to fit the stages on: an image folder (its train/ split when it has "
+        "one; labels are not read) or 'digits'"
+        + ("" if required else "; calibrates the retargeted model before it is saved"),
+    )
+    group.add_argument(
+        "--calibrate-images", type=positive_int, default=256, metavar="N", help="images read (default 256)"
+    )
+    group.add_argument(
+        "--calibrate-seconds", type=positive_float, metavar="S", help="time budget of the fit (default: none)"
+    )
+    group.add_argument("--seed", type=seed, default=0, help="which images and batches (default 0)")

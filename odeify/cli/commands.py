@@ -184,7 +184,7 @@ def _converted(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
     return (odeify.retarget(model, **settings) if settings else model), name
 
 
-def _output_file(
+def checked_output_file(
     path: str | None, what: str = "-o", args: argparse.Namespace | None = None, *, model: bool = False
 ) -> Path | None:
     """Check an output path before any work (:func:`odeify.core.paths.output_file`): not empty, not a
@@ -232,12 +232,12 @@ def _note(message: str) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     """Plan of a MODEL, or stages of a CONVERTED file; --code, --dot, --json, --plot."""
     converted = is_converted_file(_source(args))
-    dot = _output_file(args.dot, "--dot", args)
-    plot = _output_file(args.plot, "--plot", args)
+    dot = checked_output_file(args.dot, "--dot", args)
+    plot = checked_output_file(args.plot, "--plot", args)
     also = dot.with_name(f"{dot.stem}.converted{dot.suffix or '.dot'}") if dot and not converted else None
     _distinct(("--dot", dot), ("--plot", plot), ("--dot's converted graph", also))
     if also is not None:
-        _output_file(str(also), "--dot's converted graph", args)
+        checked_output_file(str(also), "--dot's converted graph", args)
     if converted:
         return _inspect_converted(
             args, odeify.load(_source(args), verify=args.verify), Path(_source(args)).name, dot, plot
@@ -323,7 +323,7 @@ def run_convert(args: argparse.Namespace) -> int:
     """Convert natively, verify against the source, apply the manifestation, save, report."""
     from odeify.inspection.report import describe, format_report_table
 
-    output = _output_file(args.output, "-o", args, model=True)
+    output = checked_output_file(args.output, "-o", args, model=True)
     model, name, shape = _source_model(args)
     native = _convert_source(args)
     check = verify(model, native, shape) if args.verify else None
@@ -430,10 +430,11 @@ def _random_timm_weights(args: argparse.Namespace) -> bool:
 
 
 def run_retarget(args: argparse.Namespace) -> int:
-    """Load a converted file, change its manifestation, save."""
+    """Load a converted file, change its manifestation (calibrated when asked), save."""
+    from odeify.cli.calibration import calibrated_if_asked
     from odeify.inspection.report import describe, format_report_table
 
-    output = _output_file(args.output, "-o", args, model=True)
+    output = checked_output_file(args.output, "-o", args, model=True)
     source = Path(args.model)
     if not is_converted_file(source):
         what = (
@@ -449,7 +450,7 @@ def run_retarget(args: argparse.Namespace) -> int:
             "retarget needs at least one of --integrator, --steps, --knots, --basis, --backward."
         )
     loaded = odeify.load(source, verify=args.verify)
-    model = odeify.retarget(loaded, **settings)
+    model = calibrated_if_asked(odeify.retarget(loaded, **settings), args)
     odeify.save(model, output)
     changes = retarget_changes(loaded, model, args.steps)
     report = describe(model, name=output.name)
@@ -541,8 +542,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     from odeify.inspection.plots import plot_sweep
     from odeify.train.sweep import sweep, sweep_markdown
 
-    plot = _output_file(args.plot, "--plot", args)
-    markdown = _output_file(args.markdown, "--markdown", args)
+    plot = checked_output_file(args.plot, "--plot", args)
+    markdown = checked_output_file(args.markdown, "--markdown", args)
     _distinct(("--plot", plot), ("--markdown", markdown))
     _require_data(args.data)
     model, name = _loaded(args)
@@ -568,7 +569,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def run_plot(args: argparse.Namespace) -> int:
     """The weight path over depth of every stage, as a PNG."""
-    output = _output_file(args.output, "-o", args)
+    output = checked_output_file(args.output, "-o", args)
     model, name = _converted(args)
     _plot_weight_path(model, name, output)
     return 0

@@ -70,6 +70,12 @@ examples:
   odeify retarget digits_ode.safetensors -o heun.safetensors --integrator reversible_heun \\
       --steps x0.5 --backward reversible
   odeify retarget digits_ode.safetensors -o lin2.safetensors --basis linear --knots 2
+  odeify retarget digits_ode.safetensors -o half.safetensors --steps x0.5 --calibrate digits
+""",
+    "calibrate": """\
+examples:
+  odeify calibrate half.safetensors --data digits -o half_cal.safetensors
+  odeify calibrate lin2.safetensors --data ~/data/pets --calibrate-images 512 -o lin2_cal.safetensors
 """,
     "finetune": """\
 examples:
@@ -107,6 +113,7 @@ HANDLERS = {
     "inspect": ("odeify.cli.commands", "run_inspect"),
     "convert": ("odeify.cli.commands", "run_convert"),
     "retarget": ("odeify.cli.commands", "run_retarget"),
+    "calibrate": ("odeify.cli.calibration", "run_calibrate"),
     "finetune": ("odeify.cli.commands", "run_finetune"),
     "eval": ("odeify.cli.commands", "run_eval"),
     "sweep": ("odeify.cli.commands", "run_sweep"),
@@ -176,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_inspect,
         _add_convert,
         _add_retarget,
+        _add_calibrate,
         _add_finetune,
         _add_eval,
         _add_sweep,
@@ -267,7 +275,23 @@ def _add_retarget(commands: argparse._SubParsersAction) -> None:
     arg.verify_argument(retarget)
     retarget.add_argument("-o", "--output", metavar="FILE", required=True, help="where to write the result")
     arg.manifestation_arguments(retarget, defaults=False)
+    arg.calibration_arguments(retarget, data_flag="--calibrate")
     retarget.add_argument("--json", action="store_true", help="print the report as JSON (nothing else)")
+
+
+def _add_calibrate(commands: argparse._SubParsersAction) -> None:
+    calibrate = _command(
+        commands,
+        "calibrate",
+        "fit a coarse manifestation's stages to its source network on unlabelled images",
+        "Load CONVERTED (fewer steps or knots than its blocks: `odeify retarget -o`), fit each stage in\n"
+        "turn so that its output on images of --data matches the source network's there (the source the\n"
+        "file keeps; no labels are read), print each stage's residual before and after, save with -o.",
+    )
+    calibrate.add_argument("model", metavar="CONVERTED", help="a file written by odeify retarget -o")
+    arg.verify_argument(calibrate)
+    calibrate.add_argument("-o", "--output", metavar="FILE", required=True, help="where to write the result")
+    arg.calibration_arguments(calibrate, data_flag="--data")
 
 
 def _add_finetune(commands: argparse._SubParsersAction) -> None:

@@ -180,8 +180,9 @@ def _check_fittable(model: fx.GraphModule) -> None:
     if at_source_manifestation(retarget(model, backward="backprop")):
         raise ConfigError(
             "this model runs at native depth with one knot per block (Euler): it computes its source "
-            "network exactly, so calibration has nothing to fit. Calibrate a coarser manifestation, e.g. "
-            "odeify.retarget(model, steps='x0.5') or knots=2."
+            "network exactly, so calibration has nothing to fit. Calibrate a coarser manifestation: "
+            "odeify.retarget(model, steps='x0.5') or knots=2 (CLI: odeify retarget IN -o OUT --steps x0.5 "
+            "--calibrate DIR)."
         )
     why = unknown_source(model)
     if why is not None:
