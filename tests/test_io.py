@@ -306,3 +306,15 @@ def test_timm_model_changed_after_building_is_not_claimed_rebuildable(tmp_path):
         save(converted, tmp_path / "m.safetensors")
     x, _ = load_digits("test")
     assert torch.equal(load(tmp_path / "m.safetensors", model=model)(x[:4]), converted(x[:4]))
+
+
+def test_save_refuses_a_model_whose_output_overflows(tmp_path, digits_ode):
+    """Head weights of 3e38: float32 logits of inf, so no probe could check the file (load refuses
+    such a file; save said json's 'Out of range float values' before)."""
+    model = odeify.retarget(digits_ode, steps=1)
+    with torch.no_grad():
+        model.fc.weight.fill_(3e38)
+    target = tmp_path / "m.safetensors"
+    with pytest.raises(OdeifyError, match="round-off at probe point 'output' is not finite") as info:
+        save(model, target)
+    assert str(info.value).startswith(f"odeify.save refuses to write {target}: ") and not target.exists()

@@ -24,6 +24,7 @@ read from the file.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT
 from odeify.compiler.record import META
 from odeify.core.budget import check_input_bytes
+from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.core.fileio import atomic_write_bytes, read_header, read_tensors
 from odeify.core.paths import MODEL_SUFFIX, input_file, output_file
@@ -77,6 +79,13 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
     probe, probe_tensors = record_probe(model)
     if probe is None:
         raise _refused(target, "the model has no tensor output to probe (a stage's or its own)")
+    overflowing = [name for name, error in probe["points"] if not math.isfinite(error)]
+    if overflowing:
+        raise _refused(
+            target,
+            f"its own {model_dtype(model)} round-off at probe point {overflowing[0]!r} is "
+            "not finite: its tensors hold values so large that it overflows, so no probe can check it",
+        )
     recipe = recipe_of(model, probe)
     if recipe.arch is None:
         record = model.meta.get(META, {})
