@@ -268,6 +268,8 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     put("own check", "fold_gamma_zero", state={**tensors, "layer1_ode.folds.bn2.gamma": zero_gamma})
     huge_offset = torch.full_like(tensors["folds.bn1.offset"], 1e30)
     put("own check", "fold_offset_1e30", state={**tensors, "folds.bn1.offset": huge_offset})
+    no_records = {k: v for k, v in tensors.items() if ".folds." not in f".{k}"}
+    put("own check", "fold_records_removed", state=no_records)
     # --- sizes a few bytes can ask for: refused against a budget, before anything is allocated
     put("resources", "input_shape_2_64_4096_4096", top("input_shape", [2, 64, 4096, 4096]))
     put(

@@ -61,7 +61,7 @@ def test_every_hostile_file_fails_cleanly(outcomes: dict[str, dict]) -> None:
     print(f"\n{len(cases)} hostile files: {dict(counts)}")
     bad = {k: f"{v['outcome']}: {v['detail']}" for k, v in cases.items() if v["outcome"] != "clean"}
     assert not bad, bad
-    assert len(cases) >= 159
+    assert len(cases) >= 160
 
 
 @pytest.mark.parametrize(
@@ -126,6 +126,7 @@ def test_every_hostile_file_fails_cleanly(outcomes: dict[str, dict]) -> None:
         ("fold_inv_std_negative", "which no BatchNorm gives"),
         ("fold_gamma_zero", "layer1_ode.folds.bn2 does not rebuild layer1_ode.knots.conv2_weight"),
         ("fold_offset_1e30", "folds.bn1 does not rebuild"),
+        ("fold_records_removed", "holds no fold records (folds.*), which odeify.save writes"),
     ],
 )
 def test_refusals_name_the_problem(outcomes: dict[str, dict], case: str, message: str) -> None:

@@ -270,3 +270,18 @@ def test_the_cli_refuses_in_one_paragraph_and_no_verify_loads(
     assert main(["inspect", str(older), "--no-verify"]) == 0
     assert "loaded with verify=False" in capsys.readouterr().err  # loaded unchecked, and said so
     assert main(["inspect", str(altered), "--no-verify"]) == 2  # not a check the flag skips
+
+
+def test_an_older_file_without_fold_records_loads_only_unchecked(saved: Path, tmp_path: Path) -> None:
+    """Fold records came after format 2's probe: a format 3 file downgraded to 2 without them would
+    have fine-tuning train its folded tensors directly (what the records exist to prevent)."""
+    recipe, tensors = _contents(saved)
+    bare = {k: v for k, v in tensors.items() if ".folds." not in f".{k}"}
+    current = _write(tmp_path / "v3.safetensors", recipe, bare)
+    with pytest.raises(ModelLoadError, match=r"holds no fold records .*The file was damaged or altered"):
+        odeify.load(current, verify=False)
+    older = _write(tmp_path / "v2.safetensors", recipe | {"version": 2}, bare)
+    with pytest.raises(ModelLoadError, match=r"older odeify \(format 2\) or altered.*verify=False"):
+        odeify.load(older)
+    with pytest.warns(UserWarning, match="verify=False"):
+        assert not any(".folds." in f".{k}" for k in odeify.load(older, verify=False).state_dict())

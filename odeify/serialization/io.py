@@ -47,7 +47,7 @@ from odeify.core.paths import MODEL_SUFFIX, input_file, output_file
 from odeify.ir.settings import StageRequest
 from odeify.models.archs import build_arch
 from odeify.models.timm_interface import ConvertedModel
-from odeify.passes.fold_bn import FOLDS, drop_fold_records
+from odeify.passes.fold_bn import FOLDS, drop_fold_records, fold_records
 from odeify.passes.source import attach_sources, drop_sources
 from odeify.serialization.probe import PROBE_PREFIX, check_probe, record_probe
 from odeify.serialization.recipe import DTYPES, FORMAT_VERSION, Recipe, integrator_of, recipe_of
@@ -162,7 +162,7 @@ def load(
     converted = _rebuild(source, recipe, path, leaf_modules)
     state = read_tensors(path, ModelLoadError, _WRITTEN_BY_SAVE)
     probe = {k: state.pop(k) for k in [k for k in state if k.startswith(PROBE_PREFIX)]}
-    _match_training_records(converted, state, path)
+    _match_training_records(converted, state, path, recipe.version, verify)
     _check_tensors(converted, state, path)
     converted.load_state_dict(state, strict=True)
     check_fold_records(converted, source, path)
@@ -332,15 +332,30 @@ def _convert_as_recorded(
         return guard_input_dtype(CONVERT.run(job).gm)
 
 
-def _match_training_records(model: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
+def _match_training_records(
+    model: nn.Module, state: Mapping[str, torch.Tensor], path: Path, version: int, verify: bool
+) -> None:
     """Give the rebuilt model the training records the file has: fold records, source tensors.
 
     The rebuilt model has fold records (its conversion folded BatchNorms), and source tensors of the
     random weights it was built with where its recipe compressed or refined knots: those go, the
-    file's take their place. A file saved before fold records existed has none, and loads without
-    them (fine-tuning then trains its folded tensors as they are).
+    file's take their place. A format 3 file always has the rebuilt model's fold records; an older
+    one saved before they existed has none, and loads without them only with ``verify=False``
+    (fine-tuning then trains its folded tensors as they are).
     """
     if not any(key.startswith(f"{FOLDS}.") or f".{FOLDS}." in key for key in state):
+        if (version == FORMAT_VERSION or verify) and any(fold_records(m) for m in model.modules()):
+            raise ModelLoadError(
+                f"{path} holds no fold records ({FOLDS}.*), which odeify.save writes for every folded "
+                f"BatchNorm (format {FORMAT_VERSION}): without them fine-tuning would train the folded "
+                "tensors themselves, which its first steps destroy. "
+                + (
+                    "The file was damaged or altered; save the model again from its source."
+                    if version == FORMAT_VERSION
+                    else f"It was saved by an older odeify (format {version}) or altered. If you trust it, "
+                    "load it with odeify.load(path, verify=False) (CLI: --no-verify)."
+                )
+            )
         drop_fold_records(model)
     drop_sources(model)
     problems = attach_sources(model, dict(state))
