@@ -186,7 +186,10 @@ def run(key: dict[str, Any], corpus: Path, loaded) -> dict[str, Any]:
     if key["epochs"]:
         started = time.perf_counter()
         recipe = replace(DEFAULT_RECIPE, epochs=key["epochs"])
-        trained = finetune(model, data, recipe, seed=key["seed"], teacher=built["teacher"], progress=False)
+        teacher = built["teacher"]
+        trained = finetune(
+            model, data, recipe, seed=key["seed"], teacher=teacher, progress=False, calibrate_first=False
+        )
         result["end"] = 100 * trained.history[-1].val_accuracy
         result["epoch_s"] = (time.perf_counter() - started) / key["epochs"]
     return result

@@ -219,3 +219,37 @@ def test_command_line_calibrates_and_refuses_a_native_file(tmp_path: Path, capsy
         ]
     )
     assert code == 2 and "--steps x0.5" in capsys.readouterr().err
+
+
+def test_finetune_starts_a_coarse_model_calibrated(caplog) -> None:
+    """A new fine-tuning run of a coarse manifestation starts from odeify.calibrate on its training
+    images (epoch 0 scores what the calibrated model scores) and says so; calibrate_first=False starts
+    from the retargeted knots; a native model is not fitted."""
+    import logging
+    from dataclasses import replace
+
+    from odeify.train.datasets import make_loader
+    from odeify.train.evaluate import evaluate
+    from odeify.train.finetune import DEFAULT_RECIPE, finetune
+
+    native = odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
+    digits = open_data("digits", native)
+    one = replace(DEFAULT_RECIPE, epochs=1, batch_size=16)
+
+    def accuracy(model: nn.Module) -> float:
+        return evaluate(model.eval(), make_loader(digits.val, 256, train=False)).accuracy
+
+    expected, _ = calibrate(odeify.retarget(native, steps=1), digits, progress=False)
+    coarse = odeify.retarget(native, steps=1)
+    with caplog.at_level(logging.INFO, logger="odeify"):
+        result = finetune(coarse, digits, one, max_batches=1, progress=False)
+    assert result.history[0].val_accuracy == accuracy(expected)
+    assert "fitted to the source network before fine-tuning" in caplog.text
+    plain = odeify.retarget(native, steps=1)
+    start = accuracy(plain)
+    history = finetune(plain, digits, one, max_batches=1, progress=False, calibrate_first=False).history
+    assert history[0].val_accuracy == start < accuracy(expected)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="odeify"):
+        finetune(native, digits, one, max_batches=1, progress=False)
+    assert "fitted to the source network" not in caplog.text

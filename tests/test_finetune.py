@@ -179,7 +179,9 @@ def test_finetune_trains_and_writes_loadable_checkpoints(
 ) -> None:
     start = coarse(native)
     before = {name: p.detach().clone() for name, p in start.named_parameters()}
-    result = finetune(start, digits, QUICK, out=tmp_path, max_batches=BATCHES, progress=False)
+    result = finetune(
+        start, digits, QUICK, out=tmp_path, max_batches=BATCHES, progress=False, calibrate_first=False
+    )
     history = result.history
     assert [r.epoch for r in history] == [0, 1, 2]
     assert history[0].val_accuracy == pytest.approx(accuracy(coarse(native), digits.val))
@@ -232,7 +234,7 @@ def test_resume_after_a_crash_mid_epoch_matches_an_uninterrupted_run(
     crash_in: float,
 ) -> None:
     recipe = replace(QUICK, epochs=3, ema_decay=ema_decay)
-    common = {"refine_at": refine_at, "max_batches": BATCHES, "progress": False}
+    common = {"refine_at": refine_at, "max_batches": BATCHES, "progress": False, "calibrate_first": False}
     whole = finetune(coarse(native), digits, recipe, out=tmp_path / "a", **common)
     limit = int(crash_in * (BATCHES + 1) * recipe.batch_size)  # an epoch reads the batch it stops at
     crashing = replace(digits, train=CrashAfter(digits.train, limit=limit))
@@ -271,7 +273,7 @@ def test_a_state_recorded_before_a_recipe_field_existed_resumes(
 ) -> None:
     """A run saved by an odeify without ``ema_decay`` ran without an average: it resumes, as the same run."""
     recipe = replace(QUICK, epochs=2)
-    common = {"max_batches": BATCHES, "progress": False}
+    common = {"max_batches": BATCHES, "progress": False, "calibrate_first": False}
     finetune(coarse(native), digits, recipe, out=tmp_path / "a", **common)
     limit = int(1.5 * (BATCHES + 1) * recipe.batch_size)  # a crash in epoch 2
     crashing = replace(digits, train=CrashAfter(digits.train, limit=limit))
@@ -305,7 +307,9 @@ def test_weight_average_follows_timms_warmed_up_ema_of_the_raw_weights(
 
     recipe = replace(QUICK, ema_decay=0.5)  # the warm-up's decay exceeds 0.5 from step 3: both regimes
     monkeypatch.setattr(SourceCoordinates, "push", snapshot)
-    result = finetune(model, digits, recipe, out=tmp_path, max_batches=BATCHES, progress=False)
+    result = finetune(
+        model, digits, recipe, out=tmp_path, max_batches=BATCHES, progress=False, calibrate_first=False
+    )
     monkeypatch.undo()
     assert len(trajectory) == recipe.epochs * BATCHES
     expected = {k: v.double() for k, v in trajectory[0].items()}  # step 1: the average is the weights

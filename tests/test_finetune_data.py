@@ -24,7 +24,15 @@ ONE = replace(DEFAULT_RECIPE, epochs=1, batch_size=16)
 
 
 def _train(native, data, **kwargs):
-    return finetune(odeify.retarget(native, steps=1), data, ONE, max_batches=2, progress=False, **kwargs)
+    return finetune(
+        odeify.retarget(native, steps=1),
+        data,
+        ONE,
+        max_batches=2,
+        progress=False,
+        calibrate_first=False,
+        **kwargs,
+    )
 
 
 def _with_train(digits, x=None, y=None) -> LabelledData:

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 QUICK = replace(
     DEFAULT_RECIPE, epochs=2, batch_size=16, lr=1e-3
 )  # 1e-3: the last epoch improves (part 2 needs it)
-COMMON = {"max_batches": 3, "progress": False}
+COMMON = {"max_batches": 3, "progress": False, "calibrate_first": False}
 
 
 def coarse(native: torch.nn.Module) -> torch.nn.Module:
@@ -136,7 +136,7 @@ trainer.write_epoch_outputs = outputs
 native = odeify.convert(str(DEFAULT_MODEL_PATH))
 model = odeify.retarget(native, steps=1, backward="checkpoint")
 finetune(model, open_data("digits", native), replace(DEFAULT_RECIPE, epochs=2, batch_size=16, lr=1e-3),
-         out=sys.argv[1], max_batches=3, progress=False)
+         out=sys.argv[1], max_batches=3, progress=False, calibrate_first=False)
 """
 
 

@@ -698,6 +698,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             run_info={"cli": {k: getattr(settings, k) for k in RECORDED}},
             deterministic=settings.deterministic,
             log_interval=settings.log_interval or DEFAULT_LOG_INTERVAL,
+            calibrate_first=settings.calibrate,
         )
     finally:
         stop_processes()

@@ -322,6 +322,14 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "--experiment", metavar="NAME", help="write the run into OUT/NAME (timm's --experiment)"
     )
     finetune.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="start a coarse manifestation (fewer steps or knots than blocks) from its retargeted knots; "
+        "by default a new run first fits its stages to the source network on training images "
+        "(odeify.calibrate)",
+    )
+    finetune.add_argument(
         "--distill",
         type=arg.fraction,
         help="weight of distillation from the teacher (the source network, or --teacher), 0..1 "

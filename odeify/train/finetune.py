@@ -70,6 +70,7 @@ from odeify.core.lock import folder_lock
 from odeify.core.paths import output_folder
 from odeify.passes.source import record_source
 from odeify.serialization.io import save
+from odeify.train.calibration import calibrate
 from odeify.train.datasets import LabelledData, check_data, make_loader
 from odeify.train.distributed import Processes, start_processes, stop_processes
 from odeify.train.fingerprint import check_fingerprint, run_fingerprint
@@ -174,6 +175,7 @@ def finetune(
     progress: bool = True,
     deterministic: bool = False,
     log_interval: int = DEFAULT_LOG_INTERVAL,
+    calibrate_first: bool = True,
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
 
@@ -190,7 +192,10 @@ def finetune(
     ``recipe.epochs``, which may grow: a finished run then trains further. ``deterministic`` makes
     torch use deterministic kernels (on GPUs: what an exact resume and the reversible backward's
     bit-exact rebuild need). ``progress``: a bar on a terminal, else a log line every
-    ``log_interval`` batches.
+    ``log_interval`` batches. ``calibrate_first``: a new run of a coarse manifestation (fewer steps
+    or knots than blocks) whose source is known starts from :func:`odeify.calibrate` on its
+    training images (docs/calibration.md: it starts near the source and ends at or above the
+    uncalibrated run); said in the log.
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
     recipe = recipe_for(model, recipe)
@@ -218,7 +223,10 @@ def finetune(
             LOGGER.info(header(model, procs))
             if data.augmentation != "none":
                 LOGGER.info(f"training augmentation: {data.augmentation}")
-        trainer = Trainer(model.to(procs.device), recipe, procs, batches * recipe.epochs, teacher)
+        model = model.to(procs.device)
+        if calibrate_first and not resume:
+            _calibrate_in_place(model, data, seed, procs)
+        trainer = Trainer(model, recipe, procs, batches * recipe.epochs, teacher)
         if resume:
             history = _resume(trainer, require_folder(folder), run, refine_epochs, started_from)
         else:
@@ -250,6 +258,27 @@ def finetune(
         if procs.is_main:
             LOGGER.info(run_summary(history, folder))
     return FineTuneResult(trainer.output, history)
+
+
+def _calibrate_in_place(model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes) -> None:
+    """Calibrate ``model`` on its training images when it is coarse and its source known."""
+    coarse = [s for s in converted_stages(model) if min(s.steps, s.num_knots) < s.depth]
+    if not coarse:
+        return
+    why = unknown_source(model)
+    if why is not None:
+        if procs.is_main:
+            LOGGER.info(f"note: not calibrated before fine-tuning: the source network is not known ({why})")
+        return
+    torch.manual_seed(seed)  # the training transform's random draws
+    calibrated, report = calibrate(model, data, seed=seed, progress=False)
+    with torch.no_grad():  # in place: the caller's model (and its hooks) is the one that trains
+        model.load_state_dict(calibrated.state_dict())
+    if procs.is_main:
+        LOGGER.info(
+            "the coarse stages are fitted to the source network before fine-tuning (calibrate_first=False, "
+            f"--no-calibrate: start from the retargeted knots); {report}"
+        )
 
 
 def _run_folder(out: str | os.PathLike[str] | None, resume: bool) -> Path | None:
