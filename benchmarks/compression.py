@@ -116,6 +116,19 @@ def layer_dropped(source: nn.Module, coarse: nn.Module) -> nn.Module:
     return student
 
 
+def _per_stage(native: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with a steps multiplier that would leave a stage less than one step given as 1
+    step for that stage (odeify refuses to round x0.33 of one block up)."""
+    import odeify
+
+    steps = settings.get("steps")
+    if not isinstance(steps, str) or not steps.startswith("x"):
+        return settings
+    factor = float(steps[1:])
+    per_stage = {s.stage_name: 1 if s.depth * factor < 1 else steps for s in odeify.converted_stages(native)}
+    return {**settings, "steps": per_stage}
+
+
 def _accuracy(model: nn.Module, data) -> float:
     from odeify.train.datasets import make_loader
     from odeify.train.evaluate import evaluate
@@ -147,7 +160,7 @@ def build_row(row: str, model_name: str, settings: dict[str, Any], seed: int, co
     from odeify.core.errors import ConfigError
 
     native, data, source = loaded
-    coarse = odeify.retarget(native, **settings)
+    coarse = odeify.retarget(native, **_per_stage(native, settings))
     model = coarse
     if row.startswith("layer drop"):
         model = odeify.convert(
