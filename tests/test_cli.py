@@ -20,7 +20,6 @@ import torch
 from precision import as_float64, assert_as_accurate_as
 
 import odeify
-from odeify.cli.commands import verify
 from odeify.cli.parser import main
 from odeify.core.errors import ConfigError
 from odeify.models import DEFAULT_MODEL_PATH
@@ -218,13 +217,14 @@ def test_verify_fails_on_a_wrong_conversion(source: torch.nn.Module) -> None:
     native = odeify.convert(str(DEFAULT_MODEL_PATH))
     with torch.no_grad():
         native.get_parameter("layer1_ode.knots.conv2_bias")[1] += 0.05
-    check = verify(source, native, (1, 1, 32, 32))
+    check = odeify.verify(native, source, (1, 1, 32, 32))
     x = torch.randn((1, 1, 32, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = source(x)
         relative = ((native(x) - expected).abs().max() / expected.abs().max()).item()
-    assert not check["passed"] and check["relative_error"] == pytest.approx(relative)
-    assert relative > 100 * check["tolerance"]
+    assert not check.passed and check.relative_error == pytest.approx(relative)
+    assert relative > 100 * check.tolerance
+    assert odeify.verify(odeify.convert(str(DEFAULT_MODEL_PATH)), source).passed  # at the traced size
 
 
 def test_convert_manifestation_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,7 @@ import odeify
 from odeify.cli.console import console_on, stdout_is_data
 from odeify.cli.data_flags import DATA_CONFIG_FLAGS, apply_data_config, check_size_flags, trace_size
 from odeify.cli.retarget_report import retarget_changes
-from odeify.core.dtypes import model_dtype
+from odeify.compiler.verification import VERIFY_SEED
 from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes, read_header
 from odeify.core.paths import MODEL_SUFFIX, output_file, output_folder, same_file
@@ -32,12 +32,6 @@ from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
 from odeify.models.inert_scales import TINY_SCALE, inert_scales
 
-VERIFY_SEED = 0
-VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
-"""Largest max relative error ``convert --verify`` accepts. Measured (random non-trivial weights,
-64x64 inputs): fp32 2e-7 (digits), 8e-7 (resnet18), 1.1e-6 (resnet50); fp64 3e-15 to 4e-15. The
-limits leave about 100x (fp32) and 1e4x (fp64) for deeper models, while a wrong weight (a 0.05 shift
-in one knot bias moves the digits model's output by 1.8e-2) is far above them."""
 MANIFESTATION = ("integrator", "steps", "knots", "basis", "backward")
 
 
@@ -326,7 +320,7 @@ def run_convert(args: argparse.Namespace) -> int:
     output = checked_output_file(args.output, "-o", args, model=True)
     model, name, shape = _source_model(args)
     native = _convert_source(args)
-    check = verify(model, native, shape) if args.verify else None
+    check = odeify.verify(native, model, shape).to_dict() if args.verify else None
     requested = {k: v for k, v in _manifestation(args).items() if v != _CONVERT_DEFAULTS[k]}
     converted = odeify.retarget(native, **requested) if requested else native
     if output is not None:
@@ -370,32 +364,6 @@ _CONVERT_DEFAULTS = {
     "basis": "constant",
     "backward": "backprop",
 }
-
-
-def verify(source: nn.Module, native: fx.GraphModule, shape: tuple[int, ...]) -> dict[str, Any]:
-    """Max absolute and relative output difference of ``native`` vs ``source`` on one seeded input.
-
-    The relative error divides by the largest absolute source output.
-    """
-    dtype = model_dtype(source)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(VERIFY_SEED), dtype=dtype)
-    with torch.no_grad():
-        expected, actual = source.eval()(x), native.eval()(x)
-    if not (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)):
-        raise ConfigError(
-            "--verify compares models with one tensor output; this model returns another type. "
-            "Pass --no-verify."
-        )
-    diff = (actual - expected).abs().max().item()
-    scale = expected.abs().max().item()
-    relative = diff / scale if scale else float(diff > 0)
-    tolerance = VERIFY_TOLERANCE.get(dtype, 1e-2)
-    return {
-        "max_abs_diff": diff,
-        "relative_error": relative,
-        "tolerance": tolerance,
-        "passed": relative <= tolerance,
-    }
 
 
 def _verify_line(check: dict[str, Any], shape: tuple[int, ...]) -> str:
