@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 import odeify
+from odeify.cli.calibration import calibrate_with_flags
 from odeify.cli.console import console_on, stdout_is_data
 from odeify.cli.data_flags import DATA_CONFIG_FLAGS, apply_data_config, check_size_flags, trace_size
 from odeify.cli.retarget_report import retarget_changes
@@ -398,8 +399,7 @@ def _random_timm_weights(args: argparse.Namespace) -> bool:
 
 
 def run_retarget(args: argparse.Namespace) -> int:
-    """Load a converted file, change its manifestation (calibrated when asked), save."""
-    from odeify.cli.calibration import calibrated_if_asked
+    """Load a converted file, change its manifestation (calibrated with --calibrate DIR), save."""
     from odeify.inspection.report import describe, format_report_table
 
     output = checked_output_file(args.output, "-o", args, model=True)
@@ -418,7 +418,9 @@ def run_retarget(args: argparse.Namespace) -> int:
             "retarget needs at least one of --integrator, --steps, --knots, --basis, --backward."
         )
     loaded = odeify.load(source, verify=args.verify)
-    model = calibrated_if_asked(odeify.retarget(loaded, **settings), args)
+    model = odeify.retarget(loaded, **settings)
+    if args.calibrate is not None:
+        model = calibrate_with_flags(model, args.calibrate, args)
     odeify.save(model, output)
     changes = retarget_changes(loaded, model, args.steps)
     report = describe(model, name=output.name)
@@ -434,6 +436,20 @@ def run_retarget(args: argparse.Namespace) -> int:
     _note(
         f"wrote {output} (from {source.name}; parameters {_parameters(loaded):,} -> {_parameters(model):,})"
     )
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Load a converted file, calibrate it on ``--data``, save it with ``-o``."""
+    output = checked_output_file(args.output, "-o", args, model=True)
+    if not is_converted_file(args.model):
+        raise ConfigError(
+            f"{args.model} is not a converted model file. calibrate takes a file written by `odeify "
+            "convert -o` or `odeify retarget -o` at a coarser manifestation (fewer steps or knots)."
+        )
+    model = calibrate_with_flags(odeify.load(args.model, verify=args.verify), args.data, args)
+    odeify.save(model, output)
+    _note(f"wrote {output} (from {Path(args.model).name})")
     return 0
 
 

@@ -113,7 +113,7 @@ HANDLERS = {
     "inspect": ("odeify.cli.commands", "run_inspect"),
     "convert": ("odeify.cli.commands", "run_convert"),
     "retarget": ("odeify.cli.commands", "run_retarget"),
-    "calibrate": ("odeify.cli.calibration", "run_calibrate"),
+    "calibrate": ("odeify.cli.commands", "run_calibrate"),
     "finetune": ("odeify.cli.commands", "run_finetune"),
     "eval": ("odeify.cli.commands", "run_eval"),
     "sweep": ("odeify.cli.commands", "run_sweep"),

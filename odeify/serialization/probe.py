@@ -36,6 +36,7 @@ from torch import nn
 
 from odeify.compiler.conversion import converted_stages
 from odeify.compiler.record import META
+from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ModelLoadError
 from odeify.ir.meta import node_tag
@@ -147,8 +148,6 @@ def _measure(
 def _source_network(model: nn.Module) -> fx.GraphModule | None:
     """The network ``model``'s kept source tensors compute (on the CPU); None when it keeps none,
     or too few to run it (then fine-tuning has no teacher from it either)."""
-    from odeify.train.manifestations import source_network, unknown_source  # train builds on this package
-
     kept = any(name.rpartition(".")[2].startswith(SOURCE_PREFIX) for name, _ in model.named_buffers())
     if not kept or unknown_source(model) is not None:  # type: ignore[arg-type]
         return None
