@@ -228,8 +228,8 @@ def sweep(args: argparse.Namespace) -> None:
     """Run every planned (model, compression, row, budget, seed) not in the cache yet."""
     import odeify
 
-    done = {_key_of(e) for e in _read_cache(args.cache)}
-    args.cache.parent.mkdir(parents=True, exist_ok=True)
+    done = {_key_of(e) for path in args.cache for e in _read_cache(path)}
+    args.cache[0].parent.mkdir(parents=True, exist_ok=True)
     for model_name in args.models:
         loaded = None
         for compression in compressions(model_name):
@@ -249,7 +249,7 @@ def sweep(args: argparse.Namespace) -> None:
                         started = time.perf_counter()
                         result = run(key, args.corpus, loaded)
                         entry = {**key, **result, "seconds": time.perf_counter() - started}
-                        with args.cache.open("a") as handle:
+                        with args.cache[0].open("a") as handle:
                             handle.write(json.dumps(entry) + "\n")
                         print(
                             f"{model_name} | {compression} | {row} | {epochs} ep | seed {seed}: "
@@ -264,7 +264,7 @@ def _mean(values: list[float]) -> float:
 
 def report(args: argparse.Namespace, argv: list[str] | None) -> None:
     """The results file and plot from the cache."""
-    entries = _read_cache(args.cache)
+    entries = [e for path in args.cache for e in _read_cache(path)]
     sources = {
         name: 100 * source_accuracy(name, args.corpus) for name in dict.fromkeys(e["model"] for e in entries)
     }
@@ -355,7 +355,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=lambda s: [int(e) for e in s.split(",")], default=[0, 1, 3, 6])
     parser.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 (default 2)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
-    parser.add_argument("--cache", type=Path, default=CACHE)
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        nargs="+",
+        default=[CACHE],
+        help="run caches: runs go to the first, the report reads all",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "compression.md")
     parser.add_argument("--report", action="store_true", help="only write the results file from the cache")
     args = parser.parse_args(argv)
