@@ -202,12 +202,6 @@ def test_amp_refuses_the_backward_modes_that_rebuild_states(converted: Path) -> 
         check_precision(model, replace(DEFAULT_RECIPE, mixup=0.2, batch_size=5))
 
 
-def test_the_cli_default_epochs_is_the_recipes() -> None:
-    from odeify.cli.commands import DEFAULT_EPOCHS
-
-    assert DEFAULT_EPOCHS == DEFAULT_RECIPE.epochs
-
-
 def test_eval_takes_timms_short_flags(converted: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", str(converted), "--data-dir", "digits", "-b", "100", "-j", "0", "--device", "cpu",
                  "--json"]) == 0  # fmt: skip

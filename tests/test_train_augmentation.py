@@ -18,9 +18,10 @@ from test_datasets import image_folder
 from torch import nn
 
 import odeify
-from odeify.cli.commands import AUGMENTATION_FLAGS, _augmentation
+from odeify.cli.commands import _augmentation
 from odeify.core.errors import ModelLoadError
 from odeify.models._testing import make_test_model
+from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS as AUGMENTATION_FLAGS
 from odeify.train.datasets import Augmentation, open_data, recorded_augmentation
 
 pytestmark = pytest.mark.usefixtures("one_thread")

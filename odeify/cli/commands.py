@@ -29,9 +29,11 @@ from odeify.compiler.verification import VERIFY_SEED
 from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes, read_header
 from odeify.core.paths import MODEL_SUFFIX, output_file, output_folder, same_file
+from odeify.ir.settings import DEFAULTS
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
 from odeify.models.inert_scales import TINY_SCALE, inert_scales
+from odeify.train.recipe import DEFAULT_RECIPE
 
 MANIFESTATION = ("integrator", "steps", "knots", "basis", "backward")
 
@@ -322,7 +324,7 @@ def run_convert(args: argparse.Namespace) -> int:
     model, name, shape = _source_model(args)
     native = _convert_source(args)
     check = odeify.verify(native, model, shape).to_dict() if args.verify else None
-    requested = {k: v for k, v in _manifestation(args).items() if v != _CONVERT_DEFAULTS[k]}
+    requested = {k: v for k, v in _manifestation(args).items() if v != DEFAULTS[k]}
     converted = odeify.retarget(native, **requested) if requested else native
     if output is not None:
         odeify.save(converted, output)
@@ -356,15 +358,6 @@ def run_convert(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
-
-
-_CONVERT_DEFAULTS = {
-    "integrator": "euler",
-    "steps": "native",
-    "knots": "native",
-    "basis": "constant",
-    "backward": "backprop",
-}
 
 
 def _verify_line(check: dict[str, Any], shape: tuple[int, ...]) -> str:
@@ -579,11 +572,8 @@ RECORDED = (
     "deterministic",
     "teacher",
     "log_interval",
+    *TRAIN_AUGMENTATION_KEYS,  # timm train.py's names, argparse dests and Augmentation fields
 )
-
-
-AUGMENTATION_FLAGS = TRAIN_AUGMENTATION_KEYS  # timm train.py's names, argparse dests and Augmentation fields
-RECORDED = (*RECORDED, *AUGMENTATION_FLAGS)
 
 RECIPE_FLAGS = (
     "epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay", "optimizer", "label_smoothing",
@@ -613,16 +603,13 @@ def _warmup(args: argparse.Namespace, settings: argparse.Namespace) -> float | N
     """--warmup-epochs as the recipe's warm-up fraction of all steps; else the recorded or default one."""
     if args.warmup_epochs is None:
         return settings.warmup
-    epochs = settings.epochs or DEFAULT_EPOCHS
+    epochs = settings.epochs or DEFAULT_RECIPE.epochs
     if args.warmup_epochs >= epochs:
         raise ConfigError(
             f"--warmup-epochs {args.warmup_epochs:g} must be below the run's {epochs} epochs (--epochs): the "
             "schedule warms up, then decays over the remaining epochs."
         )
     return args.warmup_epochs / epochs
-
-
-DEFAULT_EPOCHS = 6  # the recipe's (odeify.train.recipe.DEFAULT_RECIPE.epochs); checked by a test
 
 
 def run_finetune(args: argparse.Namespace) -> int:
@@ -635,7 +622,6 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     from odeify.train.datasets import open_data
     from odeify.train.finetune import (
-        DEFAULT_RECIPE,
         finetune,
         for_training,
         read_run,
@@ -696,7 +682,7 @@ def _augmentation(settings: argparse.Namespace, model: nn.Module):
     else timm's default."""
     from odeify.train.datasets import Augmentation, recorded_augmentation
 
-    given = {k: getattr(settings, k) for k in AUGMENTATION_FLAGS if getattr(settings, k) is not None}
+    given = {k: getattr(settings, k) for k in TRAIN_AUGMENTATION_KEYS if getattr(settings, k) is not None}
     if not given:
         return None
     for key in ("scale", "ratio"):
