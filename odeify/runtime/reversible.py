@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,9 +49,6 @@ from odeify.numerics.schemes import Add, Evaluate, Op, Reflect, ReversibleScheme
 from odeify.runtime.lattice import Lattice, half_step
 from odeify.runtime.rerun import Backward, ForwardContext, Rerun, StageCall, StageFunction, warn_fallback
 from odeify.runtime.rerun import knot_window_inputs as _knot_inputs
-
-if TYPE_CHECKING:
-    from odeify.runtime.stage import ODEStage
 
 __all__ = ["LatticeAdjoint", "Program", "compile_program", "run_on_lattice"]
 
@@ -108,7 +105,7 @@ class Program:
         return self.finer[op.into] + op.finer_by
 
 
-def compile_program(stage: ODEStage) -> Program:
+def compile_program(stage: StageIR) -> Program:
     """The stage's scheme laid out over its steps, with what one evaluation or one pass can serve merged."""
     scheme = stage.reversible_scheme()
     h = Fraction(1, stage.steps)
@@ -256,7 +253,7 @@ class LatticeAdjoint(StageFunction):
 
 
 def run_on_lattice(
-    stage: ODEStage, x: Tensor, points: list[Tensor] | None = None
+    stage: StageIR, x: Tensor, points: list[Tensor] | None = None
 ) -> tuple[Lattice, Program, list[Tensor]]:
     """The stage's scheme forward on the lattice from ``x``, under ``no_grad`` and outside autograd:
     the lattice, the program and the final registers in counts (``points``, when given, collects
