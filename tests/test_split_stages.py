@@ -380,3 +380,21 @@ def test_full_vit_tiny_schemes_and_every_backward_mode(full_vit, integrator: str
         assert worst <= bound, (mode, worst, bound)
     with pytest.raises(ConfigError, match="checkpoint"):
         odeify.retarget(converted, integrator=integrator, steps=steps, backward="reversible")
+
+
+def test_fine_tuning_defaults_know_the_reversible_splittings(converted) -> None:
+    """A splitting of ALF or reversible Heun sub-steps trains with backward='reversible' when no mode
+    is asked for, and one of ALF sub-steps at ALF's peak learning rate, as the plain schemes do."""
+    from odeify.numerics.splitting import SPLITTINGS
+    from odeify.train.manifestations import memory_free_backward
+    from odeify.train.recipe import ALF_LR, DEFAULT_LR, default_lr
+
+    names = ("strang_alf", "strang_reversible_heun", "strang")
+    modes = {name: memory_free_backward(converted, name) for name in names}
+    assert modes == {
+        "strang_alf": "reversible",
+        "strang_reversible_heun": "reversible",
+        "strang": "checkpoint",
+    }
+    assert default_lr([SPLITTINGS["lie_trotter_alf"]]) == ALF_LR
+    assert default_lr([SPLITTINGS["strang_reversible_heun"]]) == DEFAULT_LR

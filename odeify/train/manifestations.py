@@ -21,6 +21,7 @@ from torch import nn
 from odeify.compiler.conversion import converted_stages, retarget
 from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.errors import ConfigError
+from odeify.numerics.splitting import SPLITTINGS
 from odeify.numerics.tableaus import REVERSIBLE_SCHEMES
 from odeify.train.recipe import Recipe, with_lr
 
@@ -105,8 +106,13 @@ def memory_free_backward(model: fx.GraphModule, integrator: str | None = None) -
         if stage.backward != "backprop" and integrator is None:
             modes[stage.stage_name] = stage.backward
         else:
-            modes[stage.stage_name] = "reversible" if name in REVERSIBLE_SCHEMES else "checkpoint"
+            modes[stage.stage_name] = "reversible" if _reversible(name) else "checkpoint"
     return modes.popitem()[1] if len(set(modes.values())) == 1 else modes
+
+
+def _reversible(name: str) -> bool:
+    """Whether the integrator ``name`` is a reversible scheme, or a splitting whose every sub-step is one."""
+    return name in REVERSIBLE_SCHEMES or (name in SPLITTINGS and SPLITTINGS[name].reversible)
 
 
 def refine(model: fx.GraphModule) -> fx.GraphModule:

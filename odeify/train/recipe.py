@@ -137,8 +137,10 @@ model by a point (at most 0.84), and 6 epochs bring 21 of 24 runs within 0.5 poi
 
 def default_lr(integrators: Iterable[Integrator]) -> float:
     """The peak learning rate of a recipe without one, for a model whose stages use ``integrators``
-    (ALF with either start counts as ALF)."""
-    return ALF_LR if any(isinstance(i, AsyncLeapfrog) for i in integrators) else DEFAULT_LR
+    (ALF with either start counts as ALF, and so does a splitting of ALF sub-steps)."""
+    alf = AsyncLeapfrog().name
+    uses_alf = any(isinstance(i, AsyncLeapfrog) or getattr(i, "substep", None) == alf for i in integrators)
+    return ALF_LR if uses_alf else DEFAULT_LR
 
 
 def with_lr(recipe: Recipe, integrators: Iterable[Integrator]) -> Recipe:
