@@ -15,11 +15,11 @@ from PIL import Image
 from torch import nn
 
 import odeify
+from odeify.compiler.source_network import source_network
 from odeify.core.errors import ConfigError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.calibration import calibrate
 from odeify.train.datasets import open_data
-from odeify.train.manifestations import source_network
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

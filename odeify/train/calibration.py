@@ -9,7 +9,7 @@ output on a few hundred unlabelled images matches the full-precision network's):
 
 - stage after stage, in graph order, the stage's input is the calibrated model's own activation
   there (the stages before it already fitted, so errors do not pile up), its target the source
-  network's activation at the stage's end (:func:`odeify.train.manifestations.source_network`, or
+  network's activation at the stage's end (:func:`odeify.compiler.source_network.source_network`, or
   a ``source`` model given);
 - what is fitted is the stage's knot tensors in the source's coordinates, what fine-tuning trains
   (:class:`odeify.train.parametrization.SourceCoordinates`: a folded BatchNorm's conv weight, gamma
@@ -35,11 +35,12 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.compiler.conversion import check_converted, converted_stages, retarget
+from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.errors import ConfigError
 from odeify.passes.source import record_stage_source
 from odeify.runtime.stage import ODEStage
 from odeify.train.calibration_data import CalibrationData, calibration_images
-from odeify.train.manifestations import at_source_manifestation, source_network, unknown_source
+from odeify.train.manifestations import at_source_manifestation
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.progress import LOGGER
 
