@@ -81,9 +81,11 @@ def test_torch_save_round_trips_the_model_as_loaded(saved: tuple[str, Path]) -> 
 def test_jit_trace_and_torch_export_record_the_model_as_loaded(saved: tuple[str, Path]) -> None:
     model, x = _loaded(saved[1]), _example()
     expected = _expected(model, x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)
         traced = torch.jit.trace(model, x)
+    ours = [f"{w.filename}:{w.lineno}" for w in caught if "odeify" in Path(w.filename).parts]
+    assert not ours, f"TracerWarnings from odeify's own code, whose trace is right: {ours}"
     assert torch.equal(traced(x), expected)
     exported = torch.export.export(model, (x,))
     torch.testing.assert_close(exported.module()(x), expected, rtol=0, atol=0)

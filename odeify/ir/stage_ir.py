@@ -11,6 +11,7 @@ caches nothing: :mod:`odeify.codegen.emit` writes (and caches) its computation a
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
@@ -172,7 +173,7 @@ class StageIR(nn.Module):
     def num_knots(self) -> int:
         for slot in self.slots:
             if slot.kind != "shared":
-                return int(self.slot_tensor(slot).shape[0])  # an int under jit.trace too (not a traced size)
+                return static_size(self.slot_tensor(slot))
         return self.depth
 
     def slot_tensor(self, slot: Slot) -> torch.Tensor:
@@ -257,3 +258,14 @@ def may_draw_random(module: nn.Module) -> bool:
     if isinstance(module, nn.modules.dropout._DropoutNd):
         return module.p > 0
     return bool(getattr(module, "drop_prob", 0))
+
+
+def static_size(tensor: torch.Tensor) -> int:
+    """``tensor``'s leading size as an int. A knot stack's size is fixed when the graph is built, so
+    under ``torch.jit.trace`` (where a size is a traced value) its conversion is right: the tracer's
+    warning that it might not be is silenced there, and only there (warning filters are global)."""
+    if not torch.jit.is_tracing():
+        return tensor.shape[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return int(tensor.shape[0])

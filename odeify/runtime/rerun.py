@@ -36,7 +36,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from odeify.codegen.emit import StepGraph
 from odeify.core.errors import FallbackWarning
-from odeify.ir.stage_ir import StageIR
+from odeify.ir.stage_ir import StageIR, static_size
 from odeify.runtime.rng_tape import Generators, Tape, record, replay
 from odeify.runtime.stats import AdjointStats
 
@@ -44,7 +44,7 @@ from odeify.runtime.stats import AdjointStats
 def knot_window_inputs(graph: StepGraph, knots: Sequence[Tensor]) -> list[Tensor]:
     """The knot inputs of a step or field graph: each stack's rows ``graph.knot_window``."""
     window = graph.knot_window
-    return [k if (window.start, window.stop) == (0, len(k)) else k[window] for k in knots]
+    return [k if (window.start, window.stop) == (0, static_size(k)) else k[window] for k in knots]
 
 
 @dataclass
