@@ -92,6 +92,7 @@ MANIFESTATIONS: dict[str, dict[str, Any]] = {
     "linear, 2 knots": {"basis": "linear", "knots": 2, "backward": "reverse"},
     "ALF, native steps": {"integrator": "alf", "steps": "native", "backward": "reversible"},
     "Strang, half steps": {"integrator": "strang", "steps": "x0.5", "backward": "checkpoint"},
+    "Lie-Trotter, native, checkpoint": {"integrator": "lie_trotter", "backward": "checkpoint"},
 }
 ONE_STEPS: dict[str, dict[str, Any]] = {ONE_STEP: {}, ONE_STEP_ALF: MANIFESTATIONS["ALF, native steps"]}
 """The one-step checks: one optimizer step of the recipe on the model as converted, or on its ALF
@@ -327,16 +328,23 @@ def _default_augmentation(model: str, label: str) -> str | None:
 def _available_manifestations(model: str) -> list[str]:
     """The manifestations this odeify has and ``model``'s stages can take, the one-step checks first.
 
-    A split stage runs splitting schemes (``euler`` is read as ``lie_trotter``) and refuses
-    ``reversible``; any other stage runs tableaus and reversible schemes, no splitting scheme.
+    A split stage runs splitting schemes (``euler`` is read as ``lie_trotter``, ``alf`` and
+    ``reversible_heun`` as their Lie-Trotter splittings), ``reversible`` with a reversible one; any
+    other stage runs tableaus and reversible schemes, no splitting scheme.
     """
+    from odeify.numerics.schemes import REVERSIBLE_SCHEMES
     from odeify.numerics.splitting import SPLITTINGS
     from odeify.numerics.tableaus import KNOWN_INTEGRATORS
 
     def takes(settings: dict[str, Any]) -> bool:
         integrator = settings.get("integrator", "euler")
         if model in SPLIT_MODELS:
-            return integrator in {*SPLITTINGS, "euler"} and settings.get("backward") != "reversible"
+            reversible = (
+                integrator in REVERSIBLE_SCHEMES
+                or SPLITTINGS.get(integrator, SPLITTINGS["strang"]).reversible
+            )
+            split = integrator in {*SPLITTINGS, "euler", *REVERSIBLE_SCHEMES}
+            return split and (settings.get("backward") != "reversible" or reversible)
         return integrator not in SPLITTINGS
 
     every = {**ONE_STEPS, **MANIFESTATIONS}
