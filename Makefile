@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers (one per core, one torch thread each), whole files per worker so each
 # file's module fixtures are built once. ODEIFY_HYPOTHESIS=ci adds the 150-example generated-
-# architecture sweep (marked slow; a plain `pytest` runs 24 examples). About 9 minutes on 2 cores.
+# architecture sweep (marked slow; a plain `pytest` runs 24 examples). About 7 minutes on 2 quiet cores.
 test: export ODEIFY_HYPOTHESIS ?= ci
 test: $(STAMP)
 	$(PY) -m ruff check .
