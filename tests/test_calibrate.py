@@ -253,3 +253,19 @@ def test_finetune_starts_a_coarse_model_calibrated(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="odeify"):
         finetune(native, digits, one, max_batches=1, progress=False)
     assert "fitted to the source network" not in caplog.text
+
+
+def test_a_fit_that_ends_worse_is_undone(resnet: nn.Module, images: torch.Tensor) -> None:
+    """A learning rate that makes Adam diverge leaves each stage no worse than it started."""
+    coarse = odeify.retarget(resnet, steps=1)
+    _, report = calibrate(coarse, images, iterations=5, lr=1e3, progress=False)
+    assert all(fit.after <= fit.before * (1 + 1e-9) for fit in report.stages), str(report)
+
+
+def test_a_model_whose_source_is_not_known_is_refused(resnet: nn.Module, images: torch.Tensor) -> None:
+    from odeify.passes.source import drop_sources
+
+    compressed = odeify.retarget(resnet, knots=2)
+    drop_sources(compressed)  # as a file saved before odeify kept its source
+    with pytest.raises(ConfigError, match="source network, which is not known"):
+        calibrate(compressed, images, progress=False)
