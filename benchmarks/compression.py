@@ -183,6 +183,7 @@ def build_row(row: str, model_name: str, settings: dict[str, Any], seed: int, co
 
 def run(key: dict[str, Any], corpus: Path, loaded) -> dict[str, Any]:
     """One cached run: a row of one compression of one model, fine-tuned for ``key['epochs']``."""
+    import odeify
     from odeify.train.finetune import DEFAULT_RECIPE, finetune
 
     settings = compressions(key["model"])[key["compression"]]
@@ -193,7 +194,7 @@ def run(key: dict[str, Any], corpus: Path, loaded) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()),
         "forward_ms": _forward_ms(model, data),
         "calibration_s": built["calibration_s"],
-        "depth": {s.stage_name: s.steps for s in _stages(model)},
+        "depth": {s.stage_name: s.steps for s in odeify.converted_stages(model)},
     }
     result["end"] = result["start"]
     if key["epochs"]:
@@ -206,12 +207,6 @@ def run(key: dict[str, Any], corpus: Path, loaded) -> dict[str, Any]:
         result["end"] = 100 * trained.history[-1].val_accuracy
         result["epoch_s"] = (time.perf_counter() - started) / key["epochs"]
     return result
-
-
-def _stages(model: nn.Module) -> list:
-    import odeify
-
-    return odeify.converted_stages(model)
 
 
 def _read_cache(path: Path) -> list[dict[str, Any]]:

@@ -118,7 +118,12 @@ def _from_path(path: str | os.PathLike[str], model: nn.Module, images: int, seed
         )
     if len(files) > images:
         files = sorted(random.Random(seed).sample(files, images))
-    return torch.stack([_read(file, model) for file in files])
+    import timm.data
+
+    config = data_config(model)  # once: it warns when the config's size is not the traced one
+    transform = timm.data.create_transform(**config, is_training=False)
+    mode = "L" if config["input_size"][0] == 1 else "RGB"
+    return torch.stack([transform(_read(file, mode)) for file in files])
 
 
 def _image_files(folder: Path) -> list[Path]:
@@ -133,19 +138,15 @@ def _image_files(folder: Path) -> list[Path]:
     return found
 
 
-def _read(file: Path, model: nn.Module) -> torch.Tensor:
-    """One image file, through the model's evaluation transform (timm's, from its data config)."""
-    import timm.data
+def _read(file: Path, mode: str):
+    """One image file as a PIL image in ``mode`` ('RGB' or 'L'); a file PIL cannot read is named."""
     from PIL import Image
 
-    config = data_config(model)
-    mode = "L" if config["input_size"][0] == 1 else "RGB"
     try:
         with Image.open(file) as image:
-            picture = image.convert(mode)
+            return image.convert(mode)
     except (OSError, Image.DecompressionBombError) as exc:
         raise ConfigError(f"cannot read the calibration image {file} ({exc}); fix or remove it.") from exc
-    return timm.data.create_transform(**config, is_training=False)(picture)
 
 
 def _check(x: torch.Tensor, model: nn.Module) -> None:
