@@ -16,7 +16,9 @@ output on a few hundred unlabelled images matches the full-precision network's):
   and beta, not the folded product), by Adam on the stage's relative squared error, minibatches of
   the calibration images, with a cosine learning-rate decay; nothing outside the stages changes;
 - bounded: ``images`` samples, ``iterations`` optimizer steps per stage, and a ``seconds`` budget
-  shared by the stages; deterministic for a seed (on one thread).
+  shared by the stages; deterministic for a seed (on one thread). Memory: the images and one stage's
+  input and target at a time (each stage's target is taken by its own partial forward of the source,
+  not all kept from one pass: resnet50's four at 224x224 would be 6 MB per image).
 
 The :class:`CalibrationReport` gives each stage's residual, ``||stage(x) - target|| / ||target||`` over
 the calibration images, before and after the fit.
@@ -129,28 +131,26 @@ def calibrate(
         record_stage_source(stage)  # its knots are its source only while they are the blocks'
     work = _with_stage_calls(calibrated)
     reference = _with_stage_calls(source).eval()
-    paths = _stage_paths(work)
-    missing = [name for name in paths if name not in _stage_paths(reference)]
+    paths, reference_paths = _stage_paths(work), _stage_paths(reference)
+    missing = [name for name in paths if name not in reference_paths]
     if missing:
         raise ConfigError(
             f"calibrate's source has no stage {missing[0]!r}: it must be converted from the same network "
-            f"(its stages: {', '.join(_stage_paths(reference))})."
+            f"(its stages: {', '.join(reference_paths)})."
         )
-    targets = _activations(reference, _stage_paths(reference), x, batch_size, "output")
     report = CalibrationReport(images=x.shape[0], seconds=0.0)
     training = model.training
     work.eval()
     generator = torch.Generator().manual_seed(seed)
     for index, (name, path) in enumerate(paths.items()):
         inputs = _activations(work, {name: path}, x, batch_size, "input")[name]
+        target = _activations(reference, {name: reference_paths[name]}, x, batch_size, "output")[name]
         budget = None
         if seconds is not None:
             budget = max(0.0, seconds - (time.perf_counter() - started)) / (len(paths) - index)
         stage = work.get_submodule(path)
         coordinates = SourceCoordinates(work, within=path)
-        fit = _fit_stage(
-            stage, coordinates, inputs, targets[name], iterations, budget, lr, batch_size, generator
-        )
+        fit = _fit_stage(stage, coordinates, inputs, target, iterations, budget, lr, batch_size, generator)
         report.stages.append(fit)
         if progress:
             LOGGER.info(f"calibrated {name} ({index + 1}/{len(paths)}):{str(fit).partition(':')[2]}")
