@@ -61,3 +61,20 @@ def test_user_facing_text_names_no_issue_and_no_today(doc: Path) -> None:
     text = doc.read_text()
     found = re.findall(r"\bissues? \d+|\btoday\b", text, flags=re.IGNORECASE)
     assert not found, f"{doc.relative_to(ROOT)}: {found}"
+
+
+def _rendered(markdown: str) -> str:
+    """HTML as a CommonMark renderer with GitHub's tables draws it (markdown-it-py, rich's parser)."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").enable("table").render(markdown)
+
+
+def test_readme_renders_its_picture_outside_the_table() -> None:
+    """A line right after a table is one more row of it in GitHub's rendering: the picture must not be."""
+    html = _rendered(README.read_text())
+    tables = "".join(re.findall(r"<table>.*?</table>", html, flags=re.S))
+    assert "<img" in html and "<img" not in tables
+    assert "<img" in "".join(
+        re.findall(r"<table>.*?</table>", _rendered("| a |\n|---|\n| b |\n![p](p.png)"), re.S)
+    )
