@@ -35,10 +35,11 @@ machine, and its ratios with it. Columns:
 - fallbacks: backward passes that could not stay memory-free (reverse: reconstruction failed;
   reversible: the state could not be kept exactly), out of all passes the process ran.
 
-``--models vit_small_patch16_224`` (issue 23) adds a ViT: its 12 blocks become one split stage
-(attention and MLP sub-fields, Lie-Trotter); its reversible rows run the reversible splittings
-(``alf``, ``reversible_heun``: every sub-step a reversible step), all but ALF with v0 = F(t0, z0),
-which split stages refuse.
+``--models vit_small_patch16_224`` adds a ViT: its 12 blocks become one split stage
+(attention and MLP sub-fields, Lie-Trotter); ``swin_tiny_patch4_window7_224`` a Swin (stages 3 and 4
+split stages of period 4 and 2, stages 1 and 2 a stage of one block per half). Their reversible rows
+run the reversible splittings (``alf``, ``reversible_heun``: every sub-step a reversible step), all
+but ALF with v0 = F(t0, z0), which split stages refuse.
 
 ``--profile`` adds where the time goes: one more step of some rows under ``torch.profiler``.
 Writes benchmarks/results/train_step.md and .png.
@@ -76,9 +77,11 @@ from odeify.passes.segments import has_segments
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ["resnet50", "resnet152"]
 VIT = "vit_small_patch16_224"
-MODEL_CHOICES = [*MODELS, VIT]
-SPLIT_MODELS = (VIT,)
-"""Models whose runs become split stages (a ViT's attention and MLP halves, issue 23): Euler means
+SWIN = "swin_tiny_patch4_window7_224"
+MODEL_CHOICES = [*MODELS, VIT, SWIN]
+SPLIT_MODELS = (VIT, SWIN)
+"""Models whose runs become split stages (a ViT's attention and MLP halves; a Swin's four sub-fields,
+window attention, MLP, shifted-window attention, MLP, in stages 3 and 4): Euler means
 Lie-Trotter there (the network at native steps), ``alf`` and ``reversible_heun`` their Lie-Trotter
 reversible splittings; ALF with v0 = F(t0, z0) is refused there, so that row is not run."""
 STEPS = ["native", "x4"]
@@ -661,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=MODEL_CHOICES,
         default=MODELS,
-        help=f"models to run (default: the ResNets; {VIT}: the ViT of issue 23)",
+        help=f"models to run (default: the ResNets; {VIT}, {SWIN}: a ViT and a Swin, split stages)",
     )
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="ways to train")
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS, help="manifestations")
