@@ -77,7 +77,7 @@ def test_unrolled_graph_is_the_alf_recurrence(digits64, alf, basis, steps) -> No
         got, want = stage(x), eager_alf(stage, x)
     assert rel(got, want) <= 1e-13
     code = stage.unrolled_graph().code
-    assert "layer1_v1 = " in code and f"layer1_z{steps} = " in code  # readable: v_1 .. z_N by name
+    assert "layer1_v_1 = " in code and f"layer1_z_{steps} = " in code  # readable: v_1 .. z_N by name
 
 
 @pytest.mark.parametrize("alf", ALF_VARIANTS, ids=["v0-zero", "v0-field"])

@@ -23,15 +23,8 @@ import torch.fx as fx
 
 from odeify.ir.meta import tag
 from odeify.ir.stage_ir import Slot, StageIR
-from odeify.numerics.schemes import Add, Evaluate, Reflect, SplitScheme
-from odeify.numerics.tableaus import (
-    TABLEAUS,
-    AsyncLeapfrog,
-    ReversibleHeun,
-    ReversibleScheme,
-    Splitting,
-    Tableau,
-)
+from odeify.numerics.schemes import Add, Evaluate, Op, Reflect, ReversibleScheme
+from odeify.numerics.tableaus import TABLEAUS, Splitting, Tableau
 
 DENSE_MIX_ABOVE = 4  # rows with more nonzero coefficients use one tensordot instead of a sum
 
@@ -218,40 +211,6 @@ def rk_step(w: StageWriter, tableau: Tableau, n: int, y: fx.Node, direction: int
     return w.axpy(y, [(h * b, k) for b, k in zip(tableau.b, ks, strict=True)], name=f"{w.tag}_x{end}")
 
 
-def reversible_heun_step(w: StageWriter, n: int, y: fx.Node, z: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """Kidger et al. 2021: z' = 2y - z + h F(t, z); y' = y + h/2 (F(t, z) + F(t + h, z'))."""
-    h = Fraction(1, w.stage.steps)
-    t0, t1 = n * h, (n + 1) * h
-    f0 = w.field(t0, False, z, f"s{n}_1")
-    two_y = w.node("call_function", operator.mul, (y, 2.0))
-    z_next = w.axpy(w.node("call_function", operator.sub, (two_y, z)), [(h, f0)], name=f"{w.tag}_z{n + 1}")
-    f1 = w.field(t1, True, z_next, f"s{n}_2")
-    y_next = w.axpy(y, [(h / 2, f0), (h / 2, f1)], name=f"{w.tag}_y{n + 1}")
-    return y_next, z_next
-
-
-def alf_step(w: StageWriter, n: int, z: fx.Node, v: fx.Node | None) -> tuple[fx.Node, fx.Node]:
-    """MALI's asynchronous leapfrog (Zhuang et al. 2021), damping 1: from (z_n, v_n) to (z_{n+1}, v_{n+1}).
-
-    s = z + h/2 v; u = F(t_n + h/2, s); v' = 2u - v; z' = s + h/2 v'. Step 0 ignores ``v`` and
-    starts from v_0 = 0 (then s = z) or v_0 = F(t_0, z_0), as the integrator says.
-    """
-    h = Fraction(1, w.stage.steps)
-    if n == 0:
-        start = w.stage.integrator.initial_velocity
-        v = None if start == "zero" else w.field(Fraction(0), False, z, "s0_0")
-    s = z if v is None else w.axpy(z, [(h / 2, v)], name=f"{w.tag}_s{n}")
-    u = w.field((n + Fraction(1, 2)) * h, False, s, f"s{n}")
-    name = f"{w.tag}_v{n + 1}"
-    if v is None:
-        v_next = w.node("call_function", operator.mul, (u, 2.0), name=name)
-    else:
-        two_u = w.node("call_function", operator.mul, (u, 2.0))
-        v_next = w.node("call_function", operator.sub, (two_u, v), name=name)
-    z_next = w.axpy(s, [(h / 2, v_next)], name=f"{w.tag}_z{n + 1}")
-    return z_next, v_next
-
-
 # -- splitting schemes: one step of a stage of sub-fields (odeify.numerics.splitting) ---------------
 def field_writers(w: StageWriter) -> list[StageWriter]:
     """One writer per sub-field of a split stage, on ``w``'s graph, knot inputs and window (made once)."""
@@ -320,66 +279,154 @@ def _substep(
     return w.axpy(y, [(h * b, k) for b, k in zip(tableau.b, ks, strict=True)], name=name)
 
 
+# -- reversible schemes: a register program (odeify.numerics.schemes) written as float ops ----------
 Registers = dict[str, fx.Node | None]
-"""A reversible scheme's registers as graph nodes; None for one still at zero (ALF's p before step 0)."""
+"""A reversible scheme's registers as graph nodes, by register name; None for one still at zero."""
 
 
-def reversible_split_step(w: StageWriter, scheme: SplitScheme, n: int, registers: Registers) -> Registers:
-    """One step of a reversible splitting: its register program (:mod:`odeify.numerics.schemes`) as
-    float ops, sub-step by sub-step, each evaluating one sub-field. An increment ``[l h/2 F]`` is
-    ``l h/2 * F`` here (the lattice's rounding is the runtime's alone). Each register's value after
-    sub-step k of step n is named ``<register>_<n>_<k>_F<field>`` (``_part`` within it), after the
-    step ``<register>_<n+1>``; ``F_s<n>_<k>_F<field>_<i>`` is the sub-step's i-th evaluation.
+@dataclass(frozen=True)
+class _Reflection:
+    """``factor * about - target``, not yet written (None is zero)."""
+
+    factor: Fraction
+    about: fx.Node | None
+    target: fx.Node | None
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A register's value not yet written: ``base + sum(coef * node for coef, node in terms)``."""
+
+    base: fx.Node | _Reflection | None
+    terms: tuple[tuple[Fraction, fx.Node], ...] = ()
+
+
+def reversible_step(w: StageWriter, scheme: ReversibleScheme, n: int, registers: Registers) -> Registers:
+    """Step ``n`` of a reversible scheme (its start ops first, at n = 0) as float ops: its register
+    program, read op by op. An increment ``[l h/2 F]`` is ``l h/2 * F`` here (the lattice's rounding
+    is the runtime's alone); each evaluation runs on its sub-field's writer on a split stage.
+
+    Where values are rounded is the scheme's :attr:`~ReversibleScheme.rounds_each_op`. A register
+    with a ``velocity`` is carried divided by h/2 under that name (ALF's p as v). Each register's
+    value after the step is named ``<register>_<n+1>``, after sub-step k of a split step
+    ``<register>_<n>_<k>_F<field>``, and ``..._part`` where it is written again within the (sub-)step;
+    ``F_s<n>_<i>`` (``F_s<n>_<k>_F<field>_<i>``) is the (sub-)step's i-th evaluation.
     """
-    writers = field_writers(w)
-    h = Fraction(1, w.stage.steps)
-    registers = dict(registers)
-    for k, ops in enumerate(scheme.substeps, start=1):
-        field = next(op.field for op in ops if isinstance(op, Evaluate))
-        last = {op.target: i for i, op in enumerate(ops) if not isinstance(op, Evaluate)}
+    writers = field_writers(w) if isinstance(w.stage.integrator, Splitting) else [w]
+    program = _ProgramWriter(w, writers, scheme, registers)
+    if n == 0 and scheme.start:
+        program.write(scheme.start, 0, "start", "start", "0")
+    parts = scheme.substeps
+    for k, ops in enumerate(parts, start=1):
+        field = next((op.field for op in ops if isinstance(op, Evaluate)), 0)
+        label = f"{n}_{k}_F{field + 1}" if len(parts) > 1 else f"{n}"
+        program.write(ops, n, f"s{label}", label, f"{n + 1}" if k == len(parts) else label)
+    w.used_knots.update(*(fw.used_knots for fw in writers))
+    w.evaluations = sum(fw.evaluations for fw in writers)
+    return program.registers()
+
+
+class _ProgramWriter:
+    """The registers of one reversible step while its ops are written (see :func:`reversible_step`)."""
+
+    def __init__(
+        self, w: StageWriter, writers: list[StageWriter], scheme: ReversibleScheme, registers: Registers
+    ) -> None:
+        self.w, self.writers, self.scheme = w, writers, scheme
+        self.h = Fraction(1, w.stage.steps)
+        self.values: dict[str, fx.Node | _Pending | None] = dict(registers)
+        self.scale = {r.name: self.h / 2 if r.velocity else Fraction(1) for r in scheme.registers}
+        self.names = {r.name: r.velocity or r.name for r in scheme.registers}
+
+    def registers(self) -> Registers:
+        """Every register as one node (or None), after the ops written."""
+        return {name: self._node(name, len(self.ops)) for name in self.values}
+
+    def write(self, ops: tuple[Op, ...], n: int, tag: str, label: str, end: str) -> None:
+        """One (sub-)step's ops from step ``n``'s start; evaluations tagged ``<tag>_<i>``, values named
+        ``<register>_<label>_part`` within it and ``<register>_<end>`` after it."""
+        self.ops, self.label, self.end = ops, label, end
         increments: dict[str, tuple[Fraction, fx.Node]] = {}
         for i, op in enumerate(ops):
             if isinstance(op, Evaluate):
-                tag = f"s{n}_{k}_F{field + 1}_{len(increments) + 1}"
-                f = writers[field].field((n + op.at) * h, op.left, registers[op.register], tag)
-                increments[op.into] = (op.length * h / 2, f)
+                x = self._node(op.register, i - 1)
+                at = (n + op.at) * self.h
+                f = self.writers[op.field].field(at, op.left, x, f"{tag}_{len(increments) + 1}")
+                increments[op.into] = (op.length * self.h / 2, f)
                 continue
-            if last[op.target] != i:
-                name = f"{w.tag}_{op.target}_{n}_{k}_F{field + 1}_part"
-            elif k == len(scheme.substeps):
-                name = f"{w.tag}_{op.target}_{n + 1}"
+            if isinstance(op, Add):
+                self._add(op, increments, i)
             else:
-                name = f"{w.tag}_{op.target}_{n}_{k}_F{field + 1}"
-            source = op.source if isinstance(op, Add) else op.about
-            coef, value = increments.get(source, (Fraction(1), registers.get(source)))
-            registers[op.target] = _register_op(w, op, registers[op.target], coef, value, name)
-    w.used_knots.update(*(fw.used_knots for fw in writers))
-    w.evaluations = sum(fw.evaluations for fw in writers)
-    return registers
+                self._reflect(op, increments, i)
+            if self.scheme.rounds_each_op:
+                self._node(op.target, i)
+        for name in self.values:
+            self._node(name, len(ops))
+
+    def _add(self, op: Add, increments: dict[str, tuple[Fraction, fx.Node]], i: int) -> None:
+        """``target += times * source``: one more term of the target's sum."""
+        if op.source in increments:
+            coef, node = increments[op.source]
+        else:
+            coef, node = self.scale[op.source], self._node(op.source, i - 1)
+            if node is None:  # a register still at zero
+                return
+        target = self._sum(op.target)
+        term = (op.times * coef / self.scale[op.target], node)
+        self.values[op.target] = _Pending(target.base, (*target.terms, term))
+
+    def _reflect(self, op: Reflect, increments: dict[str, tuple[Fraction, fx.Node]], i: int) -> None:
+        """``target = 2 * about - target``: about's base reflected, the terms pending on it doubled."""
+        target = self._node(op.target, i - 1)
+        if op.about in increments:
+            coef, node = increments[op.about]
+            about = _Pending(node)
+        else:
+            coef, about = self.scale[op.about], self._sum(op.about)
+            if isinstance(about.base, _Reflection):  # a reflection's centre is one node
+                about = _Pending(self._node(op.about, i - 1))
+        factor = 2 * coef / self.scale[op.target]
+        terms = tuple((factor * c, node) for c, node in about.terms)
+        self.values[op.target] = _Pending(_Reflection(factor, about.base, target), terms)
+
+    def _sum(self, name: str) -> _Pending:
+        value = self.values[name]
+        return value if isinstance(value, _Pending) else _Pending(value)
+
+    def _node(self, name: str, after: int) -> fx.Node | None:
+        """Register ``name`` as one node, written now if pending, named for where op ``after`` leaves it."""
+        value = self.values[name]
+        if not isinstance(value, _Pending):
+            return value
+        again = any(not isinstance(op, Evaluate) and op.target == name for op in self.ops[after + 1 :])
+        label = f"{self.w.tag}_{self.names[name]}_" + (f"{self.label}_part" if again else self.end)
+        node = self.values[name] = self._written(value, label)
+        return node
+
+    def _written(self, value: _Pending, name: str) -> fx.Node | None:
+        """``value`` as nodes: its base, then its terms added in order; the last node is ``name``."""
+        w, terms, base = self.w, list(value.terms), value.base
+        if isinstance(base, _Reflection):
+            base = _reflected(w, base, None if terms else name)
+        if base is None and terms:
+            coef, base = terms.pop(0)
+            if coef != 1:
+                last = None if terms else name
+                base = w.node("call_function", operator.mul, (base, float(coef)), name=last)
+        for i, (coef, node) in enumerate(terms, start=1):  # as StageWriter.axpy, naming only the sum
+            term = node if coef == 1 else w.node("call_function", operator.mul, (node, float(coef)))
+            base = w.node("call_function", operator.add, (base, term), name=name if i == len(terms) else None)
+        return base
 
 
-def _register_op(
-    w: StageWriter,
-    op: Add | Reflect,
-    target: fx.Node | None,
-    coef: Fraction,
-    source: fx.Node | None,
-    name: str,
-) -> fx.Node | None:
-    """``target + times * coef * source`` (Add) or ``2 coef source - target`` (Reflect); None is zero."""
-    factor = coef * (op.times if isinstance(op, Add) else 2)
-    if source is None:  # a register still at zero
-        if isinstance(op, Add) or target is None:
-            return target
-        return w.node("call_function", operator.neg, (target,), name=name)
-    if isinstance(op, Add):
-        if target is not None:
-            return w.axpy(target, [(factor, source)], name=name)
-        return w.node("call_function", operator.mul, (source, float(factor)), name=name)
-    if target is None:
-        return w.node("call_function", operator.mul, (source, float(factor)), name=name)
-    scaled = source if factor == 1 else w.node("call_function", operator.mul, (source, float(factor)))
-    return w.node("call_function", operator.sub, (scaled, target), name=name)
+def _reflected(w: StageWriter, r: _Reflection, name: str | None) -> fx.Node | None:
+    """``factor * about - target`` as nodes (None is zero); the last is ``name``."""
+    if r.about is None:
+        return None if r.target is None else w.node("call_function", operator.neg, (r.target,), name=name)
+    if r.target is None:
+        return w.node("call_function", operator.mul, (r.about, float(r.factor)), name=name)
+    scaled = r.about if r.factor == 1 else w.node("call_function", operator.mul, (r.about, float(r.factor)))
+    return w.node("call_function", operator.sub, (scaled, r.target), name=name)
 
 
 def summed_field(w: StageWriter, t: Fraction, left: bool, y: fx.Node) -> fx.Node:
@@ -396,25 +443,15 @@ def summed_field(w: StageWriter, t: Fraction, left: bool, y: fx.Node) -> fx.Node
 def write_stage(w: StageWriter, x: fx.Node) -> fx.Node:
     """The whole stage, unrolled: returns the node holding x(1)."""
     integrator = w.stage.integrator
-    if isinstance(integrator, Splitting) and integrator.reversible:
-        scheme = integrator.scheme(len(field_writers(w)))
+    scheme = w.stage.reversible_scheme()
+    if scheme is not None:
         registers: Registers = {r.name: x if r.start == "input" else None for r in scheme.registers}
         for n in range(w.stage.steps):
-            registers = reversible_split_step(w, scheme, n, registers)
+            registers = reversible_step(w, scheme, n, registers)
         return registers[scheme.output]
     if isinstance(integrator, Splitting):
         for n in range(w.stage.steps):
             x = split_step(w, integrator, n, x)
-        return x
-    if isinstance(integrator, ReversibleHeun):
-        y, z = x, x
-        for n in range(w.stage.steps):
-            y, z = reversible_heun_step(w, n, y, z)
-        return y
-    if isinstance(integrator, AsyncLeapfrog):
-        v = None
-        for n in range(w.stage.steps):
-            x, v = alf_step(w, n, x, v)
         return x
     for n in range(w.stage.steps):
         x = rk_step(w, integrator, n, x)
@@ -455,30 +492,14 @@ def build_step_graph(stage: StageIR, n: int, kind: str) -> StepGraph:
     :mod:`odeify.runtime.reversible` instead).
     """
     integrator = stage.integrator
-    if isinstance(integrator, ReversibleScheme):
+    scheme = stage.reversible_scheme()
+    if scheme is not None:
         if kind != "forward":
             raise ValueError(
                 f"{integrator.name} has no {kind!r} step graph; odeify.runtime.reversible inverts it"
             )
-        if isinstance(integrator, ReversibleHeun):
-            return _graph_over_knots(
-                stage, f"forward_step{n}", ("y", "z"), lambda w, y, z: reversible_heun_step(w, n, y, z)
-            )
-        return _graph_over_knots(stage, f"forward_step{n}", ("z", "v"), lambda w, z, v: alf_step(w, n, z, v))
+        return _reversible_step_graph(stage, scheme, n)
     direction = 1 if kind == "forward" else -1
-    if isinstance(integrator, Splitting) and integrator.reversible:
-        if kind != "forward":
-            raise ValueError(
-                f"{integrator.name} has no {kind!r} step graph; odeify.runtime.reversible inverts it"
-            )
-        scheme = integrator.scheme(stage.num_fields)  # type: ignore[attr-defined]
-        names = tuple(r.name for r in scheme.registers)
-
-        def write(w: StageWriter, *state: fx.Node) -> tuple[fx.Node | None, ...]:
-            out = reversible_split_step(w, scheme, n, dict(zip(names, state, strict=True)))
-            return tuple(out[name] for name in names)
-
-        return _graph_over_knots(stage, f"forward_step{n}", names, write)
     if isinstance(integrator, Splitting):
         return _graph_over_knots(
             stage, f"{kind}_step{n}", ("x",), lambda w, x: (split_step(w, integrator, n, x, direction),)
@@ -486,6 +507,20 @@ def build_step_graph(stage: StageIR, n: int, kind: str) -> StepGraph:
     return _graph_over_knots(
         stage, f"{kind}_step{n}", ("x",), lambda w, x: (rk_step(w, integrator, n, x, direction),)
     )
+
+
+def _reversible_step_graph(stage: StageIR, scheme: ReversibleScheme, n: int) -> StepGraph:
+    """Step ``n`` of a reversible scheme over its registers (placeholders named as the graph carries
+    them); at step 0 a register that starts at zero is zero, whatever is passed for it."""
+    layout = scheme.registers
+
+    def write(w: StageWriter, *state: fx.Node) -> tuple[fx.Node | None, ...]:
+        given = zip(layout, state, strict=True)
+        registers = {r.name: None if n == 0 and r.start == "zero" else s for r, s in given}
+        out = reversible_step(w, scheme, n, registers)
+        return tuple(out[r.name] for r in layout)
+
+    return _graph_over_knots(stage, f"forward_step{n}", tuple(r.velocity or r.name for r in layout), write)
 
 
 def build_field_graph(stage: StageIR, t: Fraction, left: bool = False) -> StepGraph:

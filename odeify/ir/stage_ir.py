@@ -189,13 +189,16 @@ class StageIR(nn.Module):
         """Every time-dependent tensor, in slot order: the inputs the step graphs take."""
         return [self.slot_tensor(s) for s in self.slots if s.kind != "shared"]
 
+    def reversible_scheme(self) -> ReversibleScheme | None:
+        """The register program of a reversible integrator (the integrator itself here), else None."""
+        return self.integrator if isinstance(self.integrator, ReversibleScheme) else None
+
     @property
     def state_starts(self) -> tuple[Literal["input", "zero"], ...]:
-        """Where each component of the integrator's state starts: (x,) for a tableau, reversible
-        Heun's (y, z) both at x, ALF's (z, v) at (x, 0)."""
-        if isinstance(self.integrator, ReversibleScheme):
-            return tuple(r.start for r in self.integrator.registers)
-        return ("input",)
+        """Where each component of the integrator's state starts: (x,) for a tableau, a reversible
+        scheme's registers at x or 0 (reversible Heun's (y, z) both at x, ALF's (z, v) at (x, 0))."""
+        scheme = self.reversible_scheme()
+        return ("input",) if scheme is None else tuple(r.start for r in scheme.registers)
 
     def initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The integrator's state at t = 0 (see :attr:`state_starts`)."""

@@ -6,8 +6,8 @@ form: ``Add`` (``target += times * source``), ``Reflect`` (``target = 2 * about 
 (:mod:`odeify.runtime.reversible`) runs a scheme's program on a fixed-point lattice, where every
 register is an integer count and every increment is rounded before it is added, so undoing the ops
 in reverse order, each increment re-evaluated from the register it was computed from, rebuilds
-every state bit for bit. The step code in :mod:`odeify.codegen.emit` writes the same methods as
-readable float graphs for inference and ``backprop``.
+every state bit for bit. :mod:`odeify.codegen.emit` writes the same programs as readable float
+graphs (inference, ``backprop``, ``checkpoint``), so a new reversible scheme is one entry here.
 
 Two schemes ship (the runtime knows neither by name), and their compositions over the sub-fields
 of a split stage (:class:`SplitScheme`: one sub-step of one sub-field after another, in Lie-Trotter
@@ -93,7 +93,9 @@ class Register:
     smaller. Adding it to a state register rounds it to the state's spacing first (exactly undone,
     since the same bits are rounded again going back). ``per_field``: a split scheme gives every
     sub-field its own copy (ALF's p, a field's velocity: shared, it would carry one sub-field's
-    velocity into the next's predictor).
+    velocity into the next's predictor). ``velocity``: the float graphs carry this ``increment``
+    register divided by h/2, under that name (ALF's p as v, the velocity MALI writes); a split
+    scheme carries its registers as themselves (its sub-steps' h/2 differ).
     """
 
     name: str
@@ -101,6 +103,7 @@ class Register:
     kept: Literal["relative", "absolute"] = "absolute"
     lattice: Literal["state", "increment"] = "state"
     per_field: bool = False
+    velocity: str | None = None
 
 
 class ReversibleScheme:
@@ -109,6 +112,13 @@ class ReversibleScheme:
     ``registers`` (the first is the output), ``start`` (ops run once before step 0, at t = 0) and
     ``step`` (the ops of every step, times relative to the step). ``evals_per_step`` and
     ``evals_at_start`` count the evaluations before any is shared, for the graph-size budget.
+
+    ``rounds_each_op`` says how the float graphs (:mod:`odeify.codegen.emit`) round the program,
+    where the lattice is exact either way. False: a register stays a sum of terms until a field
+    reads it, another register adds it, or the step ends, and a reflection doubles the terms
+    pending on its centre (reversible Heun's z_{n+1} = (2 y_n - z_n) + h F(t_n, z_n), as Kidger et
+    al. write it). True: every op's result is rounded (the split schemes, as they were first
+    written).
     """
 
     name: ClassVar[str]
@@ -116,6 +126,7 @@ class ReversibleScheme:
     evals_per_step: ClassVar[int]
     registers: ClassVar[tuple[Register, ...]]
     step: ClassVar[tuple[Op, ...]]
+    rounds_each_op: ClassVar[bool] = False
 
     @property
     def start(self) -> tuple[Op, ...]:
@@ -128,6 +139,12 @@ class ReversibleScheme:
     @property
     def output(self) -> str:
         return self.registers[0].name
+
+    @property
+    def substeps(self) -> tuple[tuple[Op, ...], ...]:
+        """The step's ops in sub-steps (a split scheme's, one per sub-field step; else the step whole):
+        the float graphs name the registers after each."""
+        return (self.step,)
 
     @functools.cached_property
     def even_registers(self) -> frozenset[str]:
@@ -190,7 +207,7 @@ class AsyncLeapfrog(ReversibleScheme):
     evals_per_step: ClassVar[int] = 1
     registers: ClassVar[tuple[Register, ...]] = (
         Register("z", "input"),
-        Register("p", "zero", lattice="increment", per_field=True),
+        Register("p", "zero", lattice="increment", per_field=True, velocity="v"),
     )
     step: ClassVar[tuple[Op, ...]] = (
         Add("z", "p"),
@@ -226,6 +243,7 @@ class SplitScheme(ReversibleScheme):
     degree: int
     base: ReversibleScheme
     parts: tuple[tuple[int, Fraction, Fraction], ...]
+    rounds_each_op: ClassVar[bool] = True
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -245,11 +263,11 @@ class SplitScheme(ReversibleScheme):
         out: list[Register] = []
         for r in self.base.registers:
             copies = [f"{r.name}{f + 1}" for f in fields] if r.per_field else [r.name]
-            out += [Register(name, r.start, r.kept, r.lattice) for name in copies]
+            out += [Register(name, r.start, r.kept, r.lattice) for name in copies]  # no velocity: as itself
         return tuple(out)
 
     @functools.cached_property
-    def substeps(self) -> tuple[tuple[Op, ...], ...]:
+    def substeps(self) -> tuple[tuple[Op, ...], ...]:  # type: ignore[override]
         """Each sub-step's ops: ``base``'s step with its times mapped into the sub-interval, its
         per-field registers and its increments renamed (``a`` of sub-step k is ``a<k>``)."""
         per_field = {r.name for r in self.base.registers if r.per_field}
@@ -283,8 +301,11 @@ def validate_scheme(scheme: ReversibleScheme) -> None:
     Raises ``ValueError``: a scheme is code, not user input, so a failure here is a bug in its program.
     """
     registers = [r.name for r in scheme.registers]
-    if len(set(registers)) != len(registers):
-        raise ValueError(f"{scheme.name}: register names must be unique")
+    carried = registers + [r.velocity for r in scheme.registers if r.velocity]
+    if len(set(carried)) != len(carried):
+        raise ValueError(f"{scheme.name}: register names (and velocity names) must be unique")
+    if any(r.velocity and r.lattice != "increment" for r in scheme.registers):
+        raise ValueError(f"{scheme.name}: only an increment register is carried as a velocity")
     if isinstance(scheme, SplitScheme) and scheme.base.start:
         raise ValueError(f"{scheme.name}: a split scheme's step needs no start ops")
     lattices = {r.name: r.lattice for r in scheme.registers}
@@ -322,9 +343,9 @@ def _check_increment(name: str, ops: tuple[Op, ...], i: int, lattices: dict[str,
         raise ValueError(f"{name}: increment {evaluate.into!r} is added to registers of two lattices")
 
 
-for _scheme in (ReversibleHeun(), AsyncLeapfrog(), AsyncLeapfrog("field")):
-    validate_scheme(_scheme)
-del _scheme
-
 REVERSIBLE_SCHEMES: dict[str, ReversibleScheme] = {s.name: s for s in (ReversibleHeun(), AsyncLeapfrog())}
 """The built-in reversible integrators by name (``backward='reversible'`` runs any of them)."""
+
+for _scheme in (*REVERSIBLE_SCHEMES.values(), AsyncLeapfrog("field")):
+    validate_scheme(_scheme)
+del _scheme

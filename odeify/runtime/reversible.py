@@ -108,6 +108,7 @@ class Program:
 def compile_program(stage: StageIR) -> Program:
     """The stage's scheme laid out over its steps, with what one evaluation or one pass can serve merged."""
     scheme = stage.reversible_scheme()
+    assert scheme is not None, "backward='reversible' runs a reversible scheme (validate_backward)"
     h = Fraction(1, stage.steps)
     ops = _placed(scheme.start, Fraction(0), h, "start")
     for n in range(stage.steps):

@@ -191,16 +191,11 @@ class SplitStage(ODEStage):
                 "or set that dropout's rate to 0."
             )
 
-    @property
-    def state_starts(self) -> tuple[Literal["input", "zero"], ...]:
-        """Where each register of a reversible splitting starts (ALF's z at x, each p at 0); else (x,)."""
-        if isinstance(self.integrator, Splitting) and self.integrator.reversible:
-            return tuple(r.start for r in self.integrator.scheme(self.num_fields).registers)
-        return ("input",)
-
-    def reversible_scheme(self) -> ReversibleScheme:
-        """The register program ``backward='reversible'`` runs: the splitting's over this stage's fields."""
-        return self.integrator.scheme(self.num_fields)
+    def reversible_scheme(self) -> ReversibleScheme | None:
+        """A reversible splitting's register program over this stage's fields, else None."""
+        integrator = self.integrator
+        reversible = isinstance(integrator, Splitting) and integrator.reversible
+        return integrator.scheme(self.num_fields) if reversible else None
 
     @property
     def draws_random(self) -> bool:

@@ -18,7 +18,6 @@ from odeify.codegen import emit
 from odeify.core.errors import ConfigError
 from odeify.ir.settings import BACKWARD_MODES
 from odeify.ir.stage_ir import StageIR
-from odeify.numerics.schemes import ReversibleScheme
 from odeify.runtime.adjoint import CheckpointAdjoint, ReverseAdjoint
 from odeify.runtime.rerun import StageCall, StageFunction, knot_window_inputs, training_batchnorm
 from odeify.runtime.reversible import LatticeAdjoint
@@ -63,11 +62,6 @@ class ODEStage(StageIR):
     ) -> Any:
         """Run a step or field graph on ``state`` and the knot rows it reads (default knots: the stage's)."""
         return graph(*state, *knot_window_inputs(graph, self.knot_tensors() if knots is None else knots))
-
-    def reversible_scheme(self) -> ReversibleScheme:
-        """The register program ``backward='reversible'`` runs: the integrator itself here."""
-        assert isinstance(self.integrator, ReversibleScheme)
-        return self.integrator
 
     def _apply(self, fn, *args: Any, **kwargs: Any):
         return super()._apply(_per_knot_layout(fn), *args, **kwargs)
