@@ -25,11 +25,11 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.core.dtypes import model_dtype
+from odeify.ir.fold_records import FOLDS, FoldRecord, add_fold_record, fold_records, record_key
 from odeify.ir.meta import tag
 from odeify.ir.plan import Run
 from odeify.ir.stage_ir import Slot, StageIR
 from odeify.passes.contract import graph_pass, transformation
-from odeify.passes.fold_bn import FOLDS, FoldRecord, add_fold_record, fold_records, record_key
 from odeify.passes.glue import FieldGlue, GlueError, Segment, field_glues, run_end, run_members
 from odeify.passes.graph_utils import (
     data_nodes,

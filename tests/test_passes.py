@@ -22,9 +22,10 @@ from torch import nn
 import odeify
 import odeify.passes as passes
 from odeify.compiler.analysis import analyze_graph
+from odeify.ir.fold_records import fold_records
 from odeify.models._testing import make_test_model
 from odeify.passes.contract import PassContractError, PassSpec, graph_pass, graph_properties
-from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm, fold_records
+from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm
 from odeify.passes.head import head_nodes
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.passes.properties import BLOCKS, BN_FOLDED, LOWERED, RUNS, SEGMENTS, SHAPES, STAGE_CALLS
