@@ -41,7 +41,7 @@ from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ModelLoadError
 from odeify.ir.meta import node_tag
 from odeify.ir.source_tensors import SOURCE_PREFIX
-from odeify.serialization.schema import PROBE_OUTPUT, PROBE_SOURCE
+from odeify.serialization.file_schema import PROBE_OUTPUT, PROBE_SOURCE
 
 __all__ = ["FACTOR", "PROBE_PREFIX", "PROBE_SEED", "check_probe", "record_probe"]
 
