@@ -20,7 +20,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from odeify.core.errors import ConfigError
 from odeify.ir.fold_records import FoldRecord, add_fold_record, fold_records, record_key
-from odeify.passes.contract import graph_pass, transformation
+from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.graph_utils import fetch_attr, set_attr, unique_name
 from odeify.passes.properties import BLOCKS, BN_FOLDED, RUNS, SHAPES
 
@@ -44,8 +44,9 @@ class FoldedNorm(nn.Module):
 
 
 @graph_pass(FOLD_BATCHNORM)
-def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fold every BatchNorm of ``gm`` in place (the caller passes a copy) and return it."""
+def fold_batchnorm(gm: fx.GraphModule) -> PassResult:
+    """Fold every BatchNorm of ``gm`` in place (the caller passes a copy); modified if there was one."""
+    folded_any = False
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
@@ -84,7 +85,8 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         add_fold_record(gm, unique_name(record_key(node.target), fold_records(gm)), record)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
-    return gm
+        folded_any = True
+    return PassResult(gm, modified=folded_any)
 
 
 def _check_running_stats(bn: _BatchNorm, name: str) -> None:

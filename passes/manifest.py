@@ -30,7 +30,7 @@ from odeify.ir.source_tensors import record_stage_source
 from odeify.ir.stage_ir import StageIR
 from odeify.numerics.bases import fit_matrix, get_basis, validate_knots
 from odeify.numerics.tableaus import resolve_integrator
-from odeify.passes.contract import graph_pass, transformation
+from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.properties import SEGMENTS, STAGE_CALLS
 
 __all__ = ["SET_MANIFESTATION", "check_manifestation", "refit", "refit_fold_records", "set_manifestation"]
@@ -44,7 +44,7 @@ SET_MANIFESTATION = transformation(
 
 
 @graph_pass(SET_MANIFESTATION)
-def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> None:
+def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> PassResult:
     """Apply ``settings`` ({stage name: StageRequest}) to the stages of ``gm``, in place.
 
     Every request is validated, and every knot budget checked, before any stage changes: a refused
@@ -62,6 +62,7 @@ def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) 
             backward=request.backward,
             checkpoint_every=request.checkpoint_every,
         )
+    return PassResult(gm, modified=bool(settings))
 
 
 def check_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> dict[str, int]:
