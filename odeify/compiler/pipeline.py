@@ -1,14 +1,15 @@
 """The one runner of odeify's pipelines: an ordered list of declared passes over one compilation job.
 
 In the spirit of torch.fx's ``PassManager``: a :class:`Pipeline` is a name and a tuple of
-:class:`Step`s, each step one pass function (declared with
-:func:`~odeify.passes.contract.graph_pass`: the step reads its :class:`~odeify.passes.contract.PassSpec`
-from the function it runs), what to call it with from the :class:`Job`, and what the job keeps of
-its :class:`~odeify.passes.contract.PassResult`. :meth:`Pipeline.check` verifies, without running anything,
-that every step's requirements are ensured by the steps before it (or by the graph it starts
-from); :meth:`Pipeline.run` runs the steps in order. Each pass still checks its own contract when
-it runs; what the runner adds is the order, written once, and errors that name the pipeline, the
-pass and the passes before it. The pipelines themselves are in :mod:`odeify.compiler.pipelines`.
+:class:`Step`s. Each step is one pass function, declared with
+:func:`~odeify.passes.contract.graph_pass` (the step reads the function's own
+:class:`~odeify.passes.contract.PassSpec`), what it is called with from the :class:`Job`, and what
+the job keeps of its :class:`~odeify.passes.contract.PassResult`. :meth:`Pipeline.check` verifies,
+without running anything, that every step's requirements are ensured by the steps before it (or by
+the graph it starts from); :meth:`Pipeline.run` runs the steps in order. Each pass still checks its
+own contract when it runs; what the runner adds is the order, written once, and errors that name
+the pipeline, the pass and the passes before it. The pipelines themselves are in
+:mod:`odeify.compiler.pipelines`.
 """
 
 from __future__ import annotations
@@ -56,17 +57,17 @@ class Job:
     not_lifted: dict[str, str] = field(default_factory=dict)
 
 
-def graph_module_of(job: Job) -> tuple[Any, ...]:
+def _graph_module_of(job: Job) -> tuple[Any, ...]:
     """A step's arguments when its pass needs the job's graph module alone."""
     return (job.gm,)
 
 
-def keep_graph_module(job: Job, result: PassResult) -> None:
+def _keep_graph_module(job: Job, result: PassResult) -> None:
     """What a job keeps of most passes' results: the graph module they leave."""
     job.gm = result.graph_module
 
 
-def always(job: Job) -> bool:
+def _always(job: Job) -> bool:
     """A step that runs on every job."""
     return True
 
@@ -82,9 +83,9 @@ class Step:
     """
 
     graph_pass: GraphPass
-    arguments: Callable[[Job], tuple[Any, ...]] = graph_module_of
-    keep: Callable[[Job, PassResult], None] = keep_graph_module
-    when: Callable[[Job], bool] = always
+    arguments: Callable[[Job], tuple[Any, ...]] = _graph_module_of
+    keep: Callable[[Job, PassResult], None] = _keep_graph_module
+    when: Callable[[Job], bool] = _always
 
     def __post_init__(self) -> None:
         if not isinstance(getattr(self.graph_pass, "pass_spec", None), PassSpec):
