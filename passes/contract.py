@@ -1,15 +1,18 @@
-"""The pass contract: what a graph pass requires and ensures, checked in one place.
+"""The pass contract: what a graph pass requires, ensures and may change, checked in one place.
 
 In the spirit of torch.fx's ``PassBase``/``PassManager`` (``requires``/``ensures`` hooks around
-``call``) and optimum's ``Transformation`` (``preserves_computation``), each pass declares a
-:class:`PassSpec` with :func:`graph_pass`. Calling the decorated function runs it through
-:func:`run_pass`, which
+``call``, and one result type, ``PassResult(graph_module, modified)``) and optimum's
+``Transformation`` (``preserves_computation``), each pass declares a :class:`PassSpec` with
+:func:`graph_pass`, which attaches it to the function (``fn.pass_spec``: what a pipeline's ``Step``
+reads). Every pass returns a :class:`PassResult`; an analysis carries its findings in ``value``.
+Calling the decorated function runs it through :func:`run_pass`, which
 
 * refuses a graph that lacks a required property, or has a forbidden one (a pass out of order);
-* for a transformation (``modifies_graph``) does the one ``graph.lint()`` + ``recompile()`` tail;
-* for an analysis checks that the graph, its modules and its tensors (their identity, shape, dtype
-  and in-place version counter) are unchanged: analyses write to ``node.meta`` and their return
-  value only;
+* holds the pass to its :class:`PassKind`: a transformation gets the one ``graph.lint()`` +
+  ``recompile()`` tail; an analysis must leave the graph, its modules, its tensors (their identity,
+  shape, dtype and in-place version counter), the module's class and ``gm.meta`` unchanged (it
+  writes ``node.meta`` and its result only); a module record may change the class and ``gm.meta``
+  but nothing else;
 * checks that every ensured property holds (each :class:`~odeify.passes.properties.Property` has a
   cheap check of the graph itself), then records the graph's properties in ``gm.meta``.
 
@@ -21,24 +24,52 @@ transformation declaring ``preserves_computation`` against eager output.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from enum import Enum
+from typing import Any, NamedTuple
 
 import torch.fx as fx
+from torch import nn
 
 from odeify.passes.properties import PROPERTIES, Property
 
 PROPERTIES_KEY = "odeify_properties"
 """``gm.meta`` key: the names of the properties the graph has (survives ``copy.deepcopy``)."""
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
 
 class PassContractError(RuntimeError):
     """A pass was applied to a graph it does not accept, or broke its own declaration."""
+
+
+class PassKind(Enum):
+    """What a pass may change; the runner holds it to that."""
+
+    ANALYSIS = "analysis"
+    """Reads the graph module: writes ``node.meta`` and its result's ``value`` only."""
+    MODULE_RECORD = "module record"
+    """Writes ``gm.meta`` and may give the module a new class; its graph, submodules and tensors stay."""
+    TRANSFORMATION = "transformation"
+    """Rewrites the graph (or, tracing, creates it)."""
+
+
+class PassResult(NamedTuple):
+    """What every pass returns: torch.fx's ``PassResult(graph_module, modified)``, plus ``value``.
+
+    ``graph_module`` is the module the pass leaves (the one it was given, or the one it created);
+    ``modified`` whether the pass changed it; ``value`` what the pass found or the caller needs
+    besides (an analysis's blocks or runs, the runs a lift left discrete), None when nothing.
+    """
+
+    graph_module: fx.GraphModule
+    modified: bool
+    value: Any = None
+
+
+GraphPass = Callable[..., PassResult]
+"""A pass function: takes the module it reads (and what else it needs), returns a PassResult."""
 
 
 @dataclass(frozen=True)
@@ -48,20 +79,22 @@ class PassSpec:
     ``forbids`` names properties the graph must not have (raising stages needs the segments inlined
     first); ``invalidates`` names properties a transformation destroys (folding BN erases nodes the
     block tags named); ``preserves_computation`` says the module's output is unchanged (to
-    round-off); ``modifies_graph`` is False for analyses, which the runner holds to read-only.
+    round-off); ``kind`` says what the pass may change (:class:`PassKind`).
     """
 
     name: str
-    preserves_computation: bool
-    modifies_graph: bool
+    kind: PassKind
+    preserves_computation: bool = True
     requires: frozenset[Property] = frozenset()
     ensures: frozenset[Property] = frozenset()
     invalidates: frozenset[Property] = frozenset()
     forbids: frozenset[Property] = frozenset()
 
     def __post_init__(self) -> None:
-        if not self.modifies_graph and (self.invalidates or not self.preserves_computation):
-            raise ValueError(f"analysis pass {self.name!r} cannot invalidate properties or change output")
+        if self.kind is not PassKind.TRANSFORMATION and (self.invalidates or not self.preserves_computation):
+            raise ValueError(
+                f"{self.kind.value} pass {self.name!r} cannot invalidate properties or change output"
+            )
         for prop in self.requires | self.ensures | self.invalidates | self.forbids:
             if PROPERTIES.get(getattr(prop, "name", None)) is not prop:
                 raise ValueError(
@@ -88,8 +121,15 @@ class PassSpec:
 
 
 def analysis(name: str, *, requires: Iterable[Property] = (), ensures: Iterable[Property] = ()) -> PassSpec:
-    """The declaration of an analysis: reads the graph, writes ``node.meta`` and its return value only."""
-    return PassSpec(name, True, False, frozenset(requires), frozenset(ensures))
+    """The declaration of an analysis: reads the graph, writes ``node.meta`` and its result only."""
+    return PassSpec(name, PassKind.ANALYSIS, requires=frozenset(requires), ensures=frozenset(ensures))
+
+
+def module_record(
+    name: str, *, requires: Iterable[Property] = (), ensures: Iterable[Property] = ()
+) -> PassSpec:
+    """The declaration of a pass that writes ``gm.meta`` and may change the module's class, nothing else."""
+    return PassSpec(name, PassKind.MODULE_RECORD, requires=frozenset(requires), ensures=frozenset(ensures))
 
 
 def transformation(
@@ -103,63 +143,80 @@ def transformation(
 ) -> PassSpec:
     """The declaration of a pass that rewrites the graph (by default, without changing its output)."""
     sets = (frozenset(requires), frozenset(ensures), frozenset(invalidates), frozenset(forbids))
-    return PassSpec(name, preserves_computation, True, *sets)
+    return PassSpec(name, PassKind.TRANSFORMATION, preserves_computation, *sets)
 
 
-def graph_properties(gm: fx.GraphModule) -> frozenset[Property]:
-    """The properties recorded on ``gm`` by the passes run on it so far."""
-    return frozenset(PROPERTIES[name] for name in gm.meta.get(PROPERTIES_KEY, ()) if name in PROPERTIES)
+def graph_properties(module: nn.Module) -> frozenset[Property]:
+    """The properties recorded on ``module`` by the passes run on it so far (none on a plain module)."""
+    meta = getattr(module, "meta", None)
+    names = meta.get(PROPERTIES_KEY, ()) if isinstance(meta, dict) else ()
+    return frozenset(PROPERTIES[name] for name in names if name in PROPERTIES)
 
 
-def run_pass(spec: PassSpec, fn: Callable[..., R], gm: fx.GraphModule, *args, **kwargs) -> R:
-    """Run ``fn(gm, *args, **kwargs)`` under ``spec``'s contract (see the module docstring)."""
-    have = graph_properties(gm)
+def run_pass(spec: PassSpec, fn: GraphPass, module: nn.Module, *args, **kwargs) -> PassResult:
+    """Run ``fn(module, *args, **kwargs)`` under ``spec``'s contract (see the module docstring).
+
+    ``module`` is the graph module the pass reads, or the model tracing creates one from.
+    """
+    have = graph_properties(module)
     refused = spec.refusal(have)
     if refused:
         raise PassContractError(refused + "; run the passes that ensure it first (odeify.compiler.pipeline)")
-    before = None if spec.modifies_graph else _fingerprint(gm)
-    result = fn(gm, *args, **kwargs)
-    if spec.modifies_graph:
+    rewrites = spec.kind is PassKind.TRANSFORMATION
+    before = None if rewrites else _fingerprint(module, spec.kind)
+    result = fn(module, *args, **kwargs)
+    if not isinstance(result, PassResult):
+        raise PassContractError(f"pass {spec.name!r} returned {type(result).__name__}, not a PassResult")
+    gm = result.graph_module
+    if rewrites:
         gm.graph.lint()
         gm.recompile()
-    elif _fingerprint(gm) != before:
+    elif gm is not module or _fingerprint(gm, spec.kind) != before:
+        if spec.kind is PassKind.ANALYSIS:
+            changed, allowed = "its tensors, the module's class or gm.meta", "node.meta"
+        else:
+            changed, allowed = "or its tensors", "gm.meta and the module's class"
         raise PassContractError(
-            f"analysis pass {spec.name!r} changed the graph, its modules or its tensors; analyses may "
-            "write node.meta only. Declare it modifies_graph=True or leave the graph alone."
+            f"{spec.kind.value} pass {spec.name!r} changed the graph, its modules {changed} (or returned "
+            f"another module); it may write {allowed} only. Declare what it changes "
+            "(odeify.passes.contract.PassKind) or leave the rest alone."
         )
     broken = sorted(p.name for p in spec.ensures if not p.holds(gm))
     if broken:
         raise PassContractError(
             f"pass {spec.name!r} ensures {', '.join(broken)}, which does not hold after it"
         )
-    gm.meta[PROPERTIES_KEY] = sorted(p.name for p in spec.after(have))
+    gm.meta[PROPERTIES_KEY] = sorted(p.name for p in spec.after(graph_properties(gm)))
     return result
 
 
-def graph_pass(spec: PassSpec) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Declare ``spec`` for a pass function whose first argument is the GraphModule.
+def graph_pass(spec: PassSpec) -> Callable[[GraphPass], GraphPass]:
+    """Declare ``spec`` for a pass function whose first argument is the module it reads.
 
-    The decorated function runs through :func:`run_pass`; ``fn.pass_spec`` is the declaration.
+    The decorated function runs through :func:`run_pass`; ``fn.pass_spec`` is the declaration, which
+    a pipeline's ``Step`` reads from the function it runs.
     """
 
-    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+    def decorate(fn: GraphPass) -> GraphPass:
         @functools.wraps(fn)
-        def wrapper(gm: fx.GraphModule, *args, **kwargs) -> R:
-            return run_pass(spec, fn, gm, *args, **kwargs)
+        def wrapper(module: nn.Module, *args, **kwargs) -> PassResult:
+            return run_pass(spec, fn, module, *args, **kwargs)
 
         wrapper.pass_spec = spec  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
+        return wrapper
 
     return decorate
 
 
-def _fingerprint(gm: fx.GraphModule) -> tuple:
-    """What an analysis must leave alone: the graph's nodes and edges, the module tree, the tensors.
+def _fingerprint(gm: fx.GraphModule, kind: PassKind) -> tuple:
+    """What a pass of ``kind`` must leave alone: the graph's nodes and edges, the module tree, the
+    tensors, and (an analysis) the module's class and ``gm.meta``.
 
     Nodes compare by identity and their (immutable) args by value: cheaper than the graph's text.
     Tensors compare by identity, shape, dtype and version counter, so an in-place ``mul_`` shows.
+    ``gm.meta`` (plain data) compares by value, from a deep copy, so a nested write shows too.
     """
-    graph = tuple((n, n.name, n.op, n.target, n.args, dict(n.kwargs)) for n in gm.graph.nodes)
+    nodes = tuple((n, n.name, n.op, n.target, n.args, dict(n.kwargs)) for n in gm.graph.nodes)
     modules = tuple((name, id(m)) for name, m in gm.named_modules(remove_duplicate=False))
     tensors = tuple(
         (name, id(t), t._version, tuple(t.shape), t.dtype)
@@ -168,4 +225,6 @@ def _fingerprint(gm: fx.GraphModule) -> tuple:
             *gm.named_buffers(remove_duplicate=False),
         ]
     )
-    return graph, modules, tensors
+    if kind is PassKind.MODULE_RECORD:
+        return nodes, modules, tensors
+    return nodes, modules, tensors, type(gm), copy.deepcopy(gm.meta)

@@ -19,8 +19,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from odeify.core.errors import ConfigError
-from odeify.numerics.bases import fit_matrix
-from odeify.passes.contract import graph_pass, transformation
+from odeify.ir.fold_records import FoldRecord, add_fold_record, fold_records, record_key
+from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.graph_utils import fetch_attr, set_attr, unique_name
 from odeify.passes.properties import BLOCKS, BN_FOLDED, RUNS, SHAPES
 
@@ -32,71 +32,6 @@ FOLD_BATCHNORM = transformation(
 )
 
 _CONVS = {torch.conv1d, torch.conv2d, torch.conv3d}
-FOLDS = "folds"
-"""The attribute holding a module's fold records: ``gm.folds`` (discrete layers), ``stage.folds``."""
-
-
-class FoldRecord(nn.Module):
-    """What folding one BatchNorm took out of the model: the source's parametrization of what it folded.
-
-    Per output channel ``c`` (with a leading knot axis when the record belongs to a stage), the
-    folded tensors are, exactly as ``torch.nn.utils.fusion.fuse_conv_bn_weights`` computes them,
-
-        scaled[c]  = weight[c] * gamma[c] * inv_std[c]      (kind 'conv': weight is the conv's own)
-        scaled[c]  = gamma[c] * inv_std[c]                  (kind 'affine': a per-channel scale)
-        shifted[c] = beta[c] + offset[c] * gamma[c] * inv_std[c]
-
-    with ``inv_std = 1 / sqrt(running_var + eps)`` and ``offset = conv bias - running_mean`` (the
-    conv's bias is 0 when it had none; kind 'affine': ``-running_mean``). The buffers hold
-    ``gamma`` (the BatchNorm's weight, which fine-tuning trains along and writes back), ``inv_std``
-    and ``offset`` (the frozen statistics). ``scaled`` and ``shifted`` are the attribute paths of
-    the folded tensors relative to the module that holds the record's container (the converted
-    model, or a stage: ``knots.conv2_weight``). ``learnable``: whether the BatchNorm had an affine
-    weight and bias (the source trained them). ``norm``: the folded BatchNorm's module path in the
-    source (in a stage: the first block's).
-    """
-
-    def __init__(
-        self,
-        gamma: torch.Tensor,
-        inv_std: torch.Tensor,
-        offset: torch.Tensor,
-        *,
-        kind: str,
-        scaled: str,
-        shifted: str,
-        norm: str,
-        learnable: bool = True,
-    ) -> None:
-        super().__init__()
-        self.register_buffer("gamma", gamma)
-        self.register_buffer("inv_std", inv_std)
-        self.register_buffer("offset", offset)
-        self.kind, self.scaled, self.shifted, self.norm = kind, scaled, shifted, norm
-        self.learnable = learnable
-
-    def extra_repr(self) -> str:
-        return f"norm={self.norm!r}, kind={self.kind}, scaled={self.scaled!r}, shifted={self.shifted!r}"
-
-
-def fold_records(owner: nn.Module) -> dict[str, FoldRecord]:
-    """The fold records ``owner`` (a converted model or a stage) holds, by key; empty if none."""
-    container = getattr(owner, FOLDS, None)
-    return dict(container.items()) if isinstance(container, nn.ModuleDict) else {}
-
-
-def add_fold_record(owner: nn.Module, key: str, record: FoldRecord) -> None:
-    """Keep ``record`` in ``owner.folds`` under ``key`` (a Python name), creating the container."""
-    if not isinstance(getattr(owner, FOLDS, None), nn.ModuleDict):
-        owner.add_module(FOLDS, nn.ModuleDict())
-    getattr(owner, FOLDS)[key] = record
-
-
-def drop_fold_records(owner: nn.Module) -> None:
-    """Remove every fold record of ``owner`` and of its stages (a file saved before records existed)."""
-    for module in list(owner.modules()):
-        if isinstance(getattr(module, FOLDS, None), nn.ModuleDict):
-            delattr(module, FOLDS)
 
 
 class FoldedNorm(nn.Module):
@@ -109,8 +44,9 @@ class FoldedNorm(nn.Module):
 
 
 @graph_pass(FOLD_BATCHNORM)
-def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fold every BatchNorm of ``gm`` in place (the caller passes a copy) and return it."""
+def fold_batchnorm(gm: fx.GraphModule) -> PassResult:
+    """Fold every BatchNorm of ``gm`` in place (the caller passes a copy); modified if there was one."""
+    folded_any = False
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
@@ -149,7 +85,8 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         add_fold_record(gm, unique_name(record_key(node.target), fold_records(gm)), record)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
-    return gm
+        folded_any = True
+    return PassResult(gm, modified=folded_any)
 
 
 def _check_running_stats(bn: _BatchNorm, name: str) -> None:
@@ -158,11 +95,6 @@ def _check_running_stats(bn: _BatchNorm, name: str) -> None:
             f"BatchNorm '{name}' has no running statistics (track_running_stats=False), so it cannot be "
             "folded into a fixed affine map. Convert a model whose BatchNorms track running statistics."
         )
-
-
-def record_key(path: str) -> str:
-    """A fold record's key from a module path: 'layer1.0.bn2' -> 'layer1_0_bn2' (a Python name)."""
-    return path.replace(".", "_")
 
 
 def _record(
@@ -240,28 +172,3 @@ def _fold_into_conv(
     else:
         producer.kwargs = {**producer.kwargs, "bias": bias_node}
     return weight_node.target, bias_target, None
-
-
-def refit_fold_records(owner: nn.Module, basis: str, count: int, old_count: int) -> None:
-    """Give ``owner``'s (a stage's) records ``count`` knots, as its knot stacks go from ``old_count``.
-
-    A fitted or refined knot mixes blocks with the coefficients of ``fit_matrix``; its record mixes
-    theirs with the coefficients' magnitudes, normalised to sum to 1 (a weighted mean), and averages
-    the gammas' magnitudes, so that blocks whose gammas differ in sign do not cancel into a zero
-    scale. Any such record parametrizes the knot's tensors exactly (fine-tuning divides them by
-    ``gamma * inv_std``); this one gives the knot the scale of the blocks it stands for.
-    """
-    records = fold_records(owner)
-    if count == old_count or not records:
-        return
-    matrix = torch.tensor(
-        [[abs(float(c)) for c in row] for row in fit_matrix(basis, count, old_count)], dtype=torch.float64
-    )
-    weights = matrix / matrix.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    for record in records.values():
-        for part in ("gamma", "inv_std", "offset"):
-            values = getattr(record, part)
-            stack = values.detach().to(torch.float64)
-            if part == "gamma":
-                stack = stack.abs()
-            setattr(record, part, torch.tensordot(weights, stack, dims=1).to(values.dtype))

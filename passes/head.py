@@ -21,7 +21,7 @@ from torch import nn
 
 from odeify.core.errors import OdeifyError
 from odeify.ir.meta import node_tag, tag
-from odeify.passes.contract import graph_pass, transformation
+from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.properties import STAGE_CALLS
 from odeify.passes.tracing import trace
 
@@ -34,25 +34,26 @@ MARK_HEAD = transformation(  # the classifier's F.linear becomes the same Linear
 
 
 @graph_pass(MARK_HEAD)
-def mark_head(gm: fx.GraphModule, source: nn.Module, classifier: str) -> bool:
+def mark_head(gm: fx.GraphModule, source: nn.Module, classifier: str) -> PassResult:
     """Tag the graph's tail that is ``source.forward_head``; make its classifier one module call.
 
-    Returns whether the classifier is now a single ``call_module`` (so reset_classifier can swap it).
+    The result's ``value``: whether the classifier is now a single ``call_module`` (so
+    reset_classifier can swap it). A head that does not match leaves ``gm`` unmodified.
     """
     found = _traced_head(source)
     if found is None:
-        return False
+        return PassResult(gm, modified=False, value=False)
     head, pre = found
     body = _compute_nodes(gm.graph)
     tail = body[-len(head) :] if head else []
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     matches = bool(head) and [_op(n, "source.") for n in head] == [_op(n) for n in tail]
     if not matches or output.args[0] is not tail[-1]:
-        return False
+        return PassResult(gm, modified=False, value=False)
     for node in tail:
         tag(node, head=True)
     is_prefix = [_op(n, "source.") for n in pre] == [_op(n) for n in tail[: len(pre)]]
-    return is_prefix and _classifier_as_call(gm, source, classifier, tail, len(pre))
+    return PassResult(gm, True, is_prefix and _classifier_as_call(gm, source, classifier, tail, len(pre)))
 
 
 def head_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -93,8 +94,8 @@ def _traced_head(source: nn.Module) -> tuple[list[fx.Node], list[fx.Node]] | Non
     """The compute nodes of ``forward_head`` and of ``forward_head(pre_logits=True)``, traced alone."""
     training = source.training
     try:  # in eval mode, as the model itself was traced
-        head = _compute_nodes(trace(_Head(source.eval(), False)).graph)
-        pre = _compute_nodes(trace(_Head(source, True)).graph)
+        head = _compute_nodes(trace(_Head(source.eval(), False)).graph_module.graph)
+        pre = _compute_nodes(trace(_Head(source, True)).graph_module.graph)
     except Exception:  # a head fx cannot trace alone: no split, the rest of the interface stays
         return None
     finally:

@@ -25,11 +25,11 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.core.dtypes import model_dtype
+from odeify.ir.fold_records import FOLDS, FoldRecord, add_fold_record, fold_records, record_key
 from odeify.ir.meta import tag
 from odeify.ir.plan import Run
 from odeify.ir.stage_ir import Slot, StageIR
-from odeify.passes.contract import graph_pass, transformation
-from odeify.passes.fold_bn import FOLDS, FoldRecord, add_fold_record, fold_records, record_key
+from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.glue import FieldGlue, GlueError, Segment, field_glues, run_end, run_members
 from odeify.passes.graph_utils import (
     data_nodes,
@@ -97,10 +97,8 @@ def stage_attribute(run: Run) -> str:
 
 
 @graph_pass(LIFT_RUNS)
-def lift_runs(
-    gm: fx.GraphModule, runs: Sequence[Run], make_stage: StageFactory
-) -> tuple[fx.GraphModule, dict[str, str]]:
-    """Lift every liftable run of ``gm`` in place; returns the module and {run: reason} for the rest.
+def lift_runs(gm: fx.GraphModule, runs: Sequence[Run], make_stage: StageFactory) -> PassResult:
+    """Lift every liftable run of ``gm`` in place; the result's ``value`` is {run: reason} for the rest.
 
     ``make_stage(run, parts)`` builds the stage from the extracted parts (policy stays with the
     caller: basis, knots, integrator and steps are not this pass's business).
@@ -123,7 +121,7 @@ def lift_runs(
     prune_unused_attributes(gm)
     if folds is not None:
         gm.add_module(FOLDS, folds)
-    return gm, skipped
+    return PassResult(gm, modified=True, value=skipped)
 
 
 def _follow_renames(run: Run, renamed: dict[str, str]) -> Run:

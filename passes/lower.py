@@ -15,7 +15,7 @@ import torch.fx as fx
 from odeify.codegen.emit import StageWriter, write_stage
 from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
-from odeify.passes.contract import graph_pass, transformation
+from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.properties import LOWERED, SEGMENTS, SHAPES, STAGE_CALLS
 
 LOWER_STAGES = transformation(
@@ -46,8 +46,9 @@ def stage_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, StageIR]]:
 
 
 @graph_pass(LOWER_STAGES)
-def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
-    """Unroll every ``backprop`` stage of ``gm`` in place and return it."""
+def lower_stages(gm: fx.GraphModule) -> PassResult:
+    """Unroll every ``backprop`` stage of ``gm`` in place; modified if there was one."""
+    lowered = False
     for node, stage in stage_nodes(gm):
         if stage.backward != "backprop":
             continue
@@ -57,11 +58,12 @@ def lower_stages(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         stage.inlined = True
-    return gm
+        lowered = True
+    return PassResult(gm, modified=lowered)
 
 
 @graph_pass(RAISE_STAGES)
-def raise_stages(gm: fx.GraphModule) -> fx.GraphModule:
+def raise_stages(gm: fx.GraphModule) -> PassResult:
     """Collapse every inlined stage of ``gm`` back into one ``call_module`` node, in place."""
     stages = {m.stage_name: name for name, m in gm.named_children() if isinstance(m, StageIR)}
     for stage_name, attribute in stages.items():
@@ -83,7 +85,7 @@ def raise_stages(gm: fx.GraphModule) -> fx.GraphModule:
         for node in reversed(members):
             gm.graph.erase_node(node)
     _fresh_namespace(gm)
-    return gm
+    return PassResult(gm, modified=True)
 
 
 def _fresh_namespace(gm: fx.GraphModule) -> None:

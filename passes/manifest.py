@@ -10,8 +10,8 @@ refines by evaluating the current weight path at the new knots; the same count k
 basis may read the current knots as they are only when they are one per block (the blocks' own
 weights, which every basis interpolates): compressed or refined knots are values of their basis's
 weight path, and reading them with another basis would silently swap the path. Before a stage's
-knot count changes, its blocks' own knots are kept (:mod:`odeify.passes.source`), and its fold
-records follow its knots (:func:`odeify.passes.fold_bn.refit_fold_records`).
+knot count changes, its blocks' own knots are kept (:mod:`odeify.ir.source_tensors`), and its fold
+records follow its knots (:func:`refit_fold_records`).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from torch import nn
 
 from odeify.core.budget import check_fit_work, check_knot_bytes
 from odeify.core.errors import ConfigError
+from odeify.ir.fold_records import fold_records
 from odeify.ir.settings import StageRequest, resolve_steps, validate_backward
+from odeify.ir.source_tensors import record_stage_source
 from odeify.ir.stage_ir import StageIR
 from odeify.numerics.bases import fit_matrix, get_basis, validate_knots
 from odeify.numerics.tableaus import resolve_integrator
-from odeify.passes.contract import graph_pass, transformation
-from odeify.passes.fold_bn import refit_fold_records
+from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.properties import SEGMENTS, STAGE_CALLS
-from odeify.passes.source import record_stage_source
 
-__all__ = ["SET_MANIFESTATION", "check_manifestation", "refit", "set_manifestation"]
+__all__ = ["SET_MANIFESTATION", "check_manifestation", "refit", "refit_fold_records", "set_manifestation"]
 
 SET_MANIFESTATION = transformation(
     "set_manifestation",
@@ -44,7 +44,7 @@ SET_MANIFESTATION = transformation(
 
 
 @graph_pass(SET_MANIFESTATION)
-def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> None:
+def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> PassResult:
     """Apply ``settings`` ({stage name: StageRequest}) to the stages of ``gm``, in place.
 
     Every request is validated, and every knot budget checked, before any stage changes: a refused
@@ -62,6 +62,7 @@ def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) 
             backward=request.backward,
             checkpoint_every=request.checkpoint_every,
         )
+    return PassResult(gm, modified=bool(settings))
 
 
 def check_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> dict[str, int]:
@@ -154,3 +155,28 @@ def _change_knots(stage: StageIR, count: int, basis: str | None) -> None:
                 setattr(stage, f"{slot.kind}_{slot.name}", fitted)
         refit_fold_records(stage, fit_basis, count, old_count)
     stage.configure(basis=new_basis)
+
+
+def refit_fold_records(owner: nn.Module, basis: str, count: int, old_count: int) -> None:
+    """Give ``owner``'s (a stage's) records ``count`` knots, as its knot stacks go from ``old_count``.
+
+    A fitted or refined knot mixes blocks with the coefficients of ``fit_matrix``; its record mixes
+    theirs with the coefficients' magnitudes, normalised to sum to 1 (a weighted mean), and averages
+    the gammas' magnitudes, so that blocks whose gammas differ in sign do not cancel into a zero
+    scale. Any such record parametrizes the knot's tensors exactly (fine-tuning divides them by
+    ``gamma * inv_std``); this one gives the knot the scale of the blocks it stands for.
+    """
+    records = fold_records(owner)
+    if count == old_count or not records:
+        return
+    matrix = torch.tensor(
+        [[abs(float(c)) for c in row] for row in fit_matrix(basis, count, old_count)], dtype=torch.float64
+    )
+    weights = matrix / matrix.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    for record in records.values():
+        for part in ("gamma", "inv_std", "offset"):
+            values = getattr(record, part)
+            stack = values.detach().to(torch.float64)
+            if part == "gamma":
+                stack = stack.abs()
+            setattr(record, part, torch.tensordot(weights, stack, dims=1).to(values.dtype))

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from odeify.ir.meta import tag, untag
 from odeify.ir.plan import Block, BlockKind
-from odeify.passes.contract import analysis, graph_pass
+from odeify.passes.contract import PassResult, analysis, graph_pass
 from odeify.passes.graph_utils import (
     activation_of,
     common_prefix,
@@ -38,8 +38,8 @@ FIND_BLOCKS = analysis("find_blocks", requires={SHAPES}, ensures={BLOCKS})
 
 
 @graph_pass(FIND_BLOCKS)
-def find_blocks(gm: fx.GraphModule) -> list[Block]:
-    """Every residual block in ``gm`` (which must carry ``tensor_meta``), in graph order."""
+def find_blocks(gm: fx.GraphModule) -> PassResult:
+    """Every residual block in ``gm`` (which must carry ``tensor_meta``), in graph order: the ``value``."""
     graph = gm.graph
     data = data_nodes(graph)
     shapes = shape_nodes(graph, data)
@@ -89,7 +89,7 @@ def find_blocks(gm: fx.GraphModule) -> list[Block]:
         )
     blocks = _outermost(blocks)
     _annotate(graph, blocks)
-    return blocks
+    return PassResult(gm, modified=False, value=blocks)
 
 
 def _outermost(blocks: list[Block]) -> list[Block]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from odeify.ir.meta import tag
 from odeify.ir.plan import Block, Discrete, Run
-from odeify.passes.contract import analysis, graph_pass
+from odeify.passes.contract import PassResult, analysis, graph_pass
 from odeify.passes.graph_utils import (
     common_prefix,
     describe_arg,
@@ -103,8 +103,11 @@ def block_signature(block: Block, gm: fx.GraphModule) -> tuple:
 
 
 @graph_pass(GROUP_RUNS)
-def group_runs(gm: fx.GraphModule, blocks: Sequence[Block]) -> tuple[list[Run], list[Discrete]]:
-    """Chain identity blocks into runs of period 1 or p; every other block stays discrete, with why."""
+def group_runs(gm: fx.GraphModule, blocks: Sequence[Block]) -> PassResult:
+    """Chain identity blocks into runs of period 1 or p; every other block stays discrete, with why.
+
+    The result's ``value`` is ``(runs, discrete)``.
+    """
     nodes = {n.name: n for n in gm.graph.nodes}
     live = live_nodes(gm.graph)
     memo: dict[tuple[int, str], tuple] = {}
@@ -139,7 +142,7 @@ def group_runs(gm: fx.GraphModule, blocks: Sequence[Block]) -> tuple[list[Run], 
         for block in run.blocks:
             for name in (*block.nodes, block.join, block.output):
                 tag(nodes[name], run=run.name)
-    return runs, discrete
+    return PassResult(gm, modified=False, value=(runs, discrete))
 
 
 def _extend(

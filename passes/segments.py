@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from odeify.core.errors import ConfigError
 from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
-from odeify.passes.contract import graph_pass, transformation
+from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.properties import SEGMENTS
 from odeify.runtime.rerun import training_batchnorm
 from odeify.runtime.stage import recording
@@ -115,7 +115,7 @@ def _refuse_training_batchnorm(module: nn.Module, path: str) -> None:
 
 
 @graph_pass(CHECKPOINT_SEGMENTS)
-def checkpoint_segments(gm: fx.GraphModule) -> fx.GraphModule:
+def checkpoint_segments(gm: fx.GraphModule) -> PassResult:
     """Wrap every maximal run of non-stage nodes of ``gm`` into a :class:`Segment`, in place.
 
     Stage calls, placeholders and the output stay in the model graph; a run between them becomes
@@ -123,7 +123,7 @@ def checkpoint_segments(gm: fx.GraphModule) -> fx.GraphModule:
     a graph that already has segments changes nothing.
     """
     if has_segments(gm):
-        return gm
+        return PassResult(gm, modified=False)
     stages = {node for node in gm.graph.nodes if _calls(gm, node, StageIR)}
     runs: list[list[fx.Node]] = [[]]
     for node in gm.graph.nodes:
@@ -140,19 +140,19 @@ def checkpoint_segments(gm: fx.GraphModule) -> fx.GraphModule:
         elif node is runs[members[node]][-1]:  # the run is complete: emit it as one segment
             _emit_segment(gm, graph, runs[members[node]], env, len(list(_segment_names(gm))))
     _install(gm, graph)
-    return gm
+    return PassResult(gm, modified=True)
 
 
 @graph_pass(INLINE_SEGMENTS)
-def inline_segments(gm: fx.GraphModule) -> fx.GraphModule:
+def inline_segments(gm: fx.GraphModule) -> PassResult:
     """Undo :func:`checkpoint_segments` in place: the graph it started from, node for node."""
     segments = [node.target for node in gm.graph.nodes if _is_segment_call(gm, node)]
     if not segments:
-        return gm
+        return PassResult(gm, modified=False)
     _install(gm, _inlined_graph(gm))
     for name in segments:
         delattr(gm, name)
-    return gm
+    return PassResult(gm, modified=True)
 
 
 def without_segments(gm: fx.GraphModule) -> fx.GraphModule:

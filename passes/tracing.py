@@ -28,7 +28,7 @@ from torch import nn
 
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import TraceError
-from odeify.passes.contract import analysis, graph_pass, transformation
+from odeify.passes.contract import PassResult, analysis, graph_pass, transformation
 from odeify.passes.graph_utils import live_nodes
 from odeify.passes.properties import SHAPES
 
@@ -76,11 +76,13 @@ class ResidualTracer(fx.Tracer):
 
 
 TRACE = transformation("trace")
-"""The graph's creation (not a rewrite of a graph): declared so that pipelines name and order it."""
+"""The graph's creation: a transformation from a model to a new graph module, which requires nothing."""
 
 
-def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
-    """Symbolically trace ``model``; on failure say which code FX choked on and what to do."""
+@graph_pass(TRACE)
+def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> PassResult:
+    """Symbolically trace ``model`` into a new graph module; on failure say which code FX choked on
+    and what to do."""
     tracer = ResidualTracer(extra_leaves)
     try:
         graph = tracer.trace(model, concrete_args=optional_defaults(model) or None)
@@ -88,7 +90,7 @@ def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> fx.
         raise TraceError(_untraceable_message(model, exc)) from exc
     _drop_unused_inputs(graph)
     name = type(model).__name__
-    return fx.GraphModule(tracer.root, graph, name)
+    return PassResult(fx.GraphModule(tracer.root, graph, name), modified=True)
 
 
 def optional_defaults(model: nn.Module) -> dict[str, object]:
@@ -154,7 +156,9 @@ ANNOTATE_SHAPES = analysis("annotate_shapes", ensures={SHAPES})
 
 
 @graph_pass(ANNOTATE_SHAPES)
-def annotate_shapes(gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
+def annotate_shapes(
+    gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch.dtype | None = None
+) -> PassResult:
     """Record ``node.meta["tensor_meta"]`` for every node, running the graph on meta tensors.
 
     Meta tensors carry shapes and dtypes but no data, so a resnet152 costs no real forward and no
@@ -181,6 +185,7 @@ def annotate_shapes(gm: fx.GraphModule, input_shape: Sequence[int], dtype: torch
             "`--input-size C H W` on the command line, input_size=(1, C, H, W) in Python. Without one, the "
             "size is the model's pretrained_cfg['input_size'] (timm leaves the architecture's default there)."
         ) from failed.cause
+    return PassResult(gm, modified=False)
 
 
 class _NodeFailed(Exception):

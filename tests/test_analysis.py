@@ -320,7 +320,7 @@ def test_identity_block_post_activation() -> None:
 def test_projection_block() -> None:
     model = _seeded(Net(PostBlock(8, 16, stride=2)))
     gm = trace_and_annotate(model, (1, 3, 8, 8))
-    (block,) = find_blocks(gm)
+    (block,) = find_blocks(gm).value
     assert (block.kind, block.form, block.activation) == ("projection", "post", "ReLU")
     assert (block.in_shape, block.out_shape) == ((1, 8, 8, 8), (1, 16, 4, 4))
     # Both paths from fork to join are the block, so the shortcut's conv counts too.
@@ -354,7 +354,7 @@ def test_broadcast_add_is_not_a_block() -> None:
     model = _seeded(Broadcast())
     gm = trace_and_annotate(model, (1, 3, 8, 8))
     assert sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in ADD_TARGETS) == 2
-    assert find_blocks(gm) == []
+    assert find_blocks(gm).value == []
     with pytest.raises(NoResidualBlocksError):
         odeify.analyze(model, (1, 3, 8, 8))
 
@@ -441,7 +441,7 @@ def test_tap_inside_a_branch_is_not_a_block() -> None:
 def test_add_with_alpha(alpha: float, blocks: int) -> None:
     model = _seeded(Net(AlphaBlock(8, alpha), AlphaBlock(8, alpha)))
     gm = trace_and_annotate(model, (1, 3, 8, 8))
-    assert len(find_blocks(gm)) == blocks
+    assert len(find_blocks(gm).value) == blocks
 
 
 # --- scaled shortcuts, dead reads at block boundaries, slices ---------------------------------------------

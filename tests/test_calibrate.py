@@ -263,7 +263,7 @@ def test_a_fit_that_ends_worse_is_undone(resnet: nn.Module, images: torch.Tensor
 
 
 def test_a_model_whose_source_is_not_known_is_refused(resnet: nn.Module, images: torch.Tensor) -> None:
-    from odeify.passes.source import drop_sources
+    from odeify.ir.source_tensors import drop_sources
 
     compressed = odeify.retarget(resnet, knots=2)
     drop_sources(compressed)  # as a file saved before odeify kept its source

@@ -21,10 +21,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import odeify
+from odeify.ir.fold_records import fold_records
+from odeify.ir.source_tensors import SOURCE_PREFIX
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models._testing import make_test_model
-from odeify.passes.fold_bn import fold_records
-from odeify.passes.source import SOURCE_PREFIX
 from odeify.train.datasets import LabelledData, open_data
 from odeify.train.finetune import DEFAULT_RECIPE, Recipe, finetune, source_network
 from odeify.train.parametrization import SourceCoordinates

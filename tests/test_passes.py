@@ -1,10 +1,11 @@
 """The pass contract (``odeify.passes.contract``) and the generic check for transformations.
 
-Every pass under ``passes/`` declared with ``graph_pass(PassSpec(..., modifies_graph=True,
+Every pass under ``passes/`` declared with ``graph_pass(PassSpec(..., PassKind.TRANSFORMATION,
 preserves_computation=True))`` must leave the model's output unchanged (fp64, rtol 1e-10). Each
 such pass registers here how to apply it to a copy of a model; a declared pass missing from the
-registry fails ``test_every_declared_transformation_is_registered``. Analyses are held read-only
-by the contract's runner itself; the tests at the end check that the runner refuses what it should.
+registry fails ``test_every_declared_transformation_is_registered``. Analyses and module records
+are held to what their kind may change by the contract's runner itself; the tests at the end check
+that the runner refuses what it should.
 """
 
 from __future__ import annotations
@@ -22,9 +23,19 @@ from torch import nn
 import odeify
 import odeify.passes as passes
 from odeify.compiler.analysis import analyze_graph
+from odeify.compiler.record import record_conversion
+from odeify.ir.fold_records import fold_records
 from odeify.models._testing import make_test_model
-from odeify.passes.contract import PassContractError, PassSpec, graph_pass, graph_properties
-from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm, fold_records
+from odeify.passes.contract import (
+    PassContractError,
+    PassKind,
+    PassResult,
+    PassSpec,
+    graph_pass,
+    graph_properties,
+    module_record,
+)
+from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm
 from odeify.passes.head import head_nodes
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.passes.properties import BLOCKS, BN_FOLDED, LOWERED, RUNS, SEGMENTS, SHAPES, STAGE_CALLS
@@ -48,11 +59,15 @@ Apply = Callable[[nn.Module, dict], Applied]
 """A registered callable: (eval-mode fp64 model, per-model cache of shared intermediate results)."""
 
 
+def _apply_trace(model: nn.Module, cache: dict) -> Applied:
+    yield "traced", trace(copy.deepcopy(model)).graph_module
+
+
 def _apply_fold_bn(model: nn.Module, cache: dict) -> Applied:
-    gm = trace(copy.deepcopy(model))
+    gm = trace(copy.deepcopy(model)).graph_module
     annotate_shapes(gm, SHAPE)
     norms = sum(1 for m in gm.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
-    folded = fold_batchnorm(gm)
+    folded = fold_batchnorm(gm).graph_module
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in folded.modules())
     assert sum(1 for m in folded.modules() if isinstance(m, FoldedNorm)) == norms  # 0 for NF-ResNet
     yield "folded", folded
@@ -79,30 +94,32 @@ def _apply_mark_head(model: nn.Module, cache: dict) -> Applied:
 
 
 def _apply_raise(model: nn.Module, cache: dict) -> Applied:
-    raised = raise_stages(copy.deepcopy(_converted(model, cache)))
+    raised = raise_stages(copy.deepcopy(_converted(model, cache))).graph_module
     assert stage_nodes(raised)  # one call per stage, run through ODEStage.forward
     yield "raised", raised
 
 
 def _apply_lower(model: nn.Module, cache: dict) -> Applied:
-    lowered = lower_stages(raise_stages(copy.deepcopy(_converted(model, cache))))
+    lowered = lower_stages(raise_stages(copy.deepcopy(_converted(model, cache))).graph_module).graph_module
     assert not stage_nodes(lowered)  # backprop stages are inlined again
     yield "lowered", lowered
 
 
 def _apply_checkpoint_segments(model: nn.Module, cache: dict) -> Applied:
-    segmented = checkpoint_segments(copy.deepcopy(_converted(model, cache)))
+    segmented = checkpoint_segments(copy.deepcopy(_converted(model, cache))).graph_module
     assert has_segments(segmented)
     yield "segmented", segmented
 
 
 def _apply_inline_segments(model: nn.Module, cache: dict) -> Applied:
-    inlined = inline_segments(checkpoint_segments(copy.deepcopy(_converted(model, cache))))
+    segmented = checkpoint_segments(copy.deepcopy(_converted(model, cache))).graph_module
+    inlined = inline_segments(segmented).graph_module
     assert not has_segments(inlined)
     yield "inlined", inlined
 
 
 REGISTRY: dict[str, Apply] = {
+    "trace": _apply_trace,
     "fold_batchnorm": _apply_fold_bn,
     "lift_runs": _apply_lift,
     "mark_head": _apply_mark_head,
@@ -135,9 +152,11 @@ def declared_passes() -> dict[str, PassSpec]:
 def test_every_declared_transformation_is_registered() -> None:
     declared = declared_passes()
     assert {"find_blocks", "group_runs", "fold_batchnorm", "lift_runs"} <= set(declared)
-    assert not declared["find_blocks"].modifies_graph and not declared["group_runs"].modifies_graph
+    assert declared["find_blocks"].kind is declared["group_runs"].kind is PassKind.ANALYSIS
     preserving = {
-        name for name, spec in declared.items() if spec.modifies_graph and spec.preserves_computation
+        name
+        for name, spec in declared.items()
+        if spec.kind is PassKind.TRANSFORMATION and spec.preserves_computation
     }
     missing = sorted(preserving - set(REGISTRY))
     assert not missing, f"passes declaring preserves_computation with no entry in REGISTRY: {missing}"
@@ -182,7 +201,7 @@ class _Small(nn.Module):
 
 
 def _traced() -> fx.GraphModule:
-    return trace(_Small().eval())
+    return trace(_Small().eval()).graph_module
 
 
 def test_missing_requirement_is_refused() -> None:
@@ -192,12 +211,12 @@ def test_missing_requirement_is_refused() -> None:
     assert "annotate_shapes" in str(info.value)  # says which pass ensures it
     annotate_shapes(gm, (1, 3, 8, 8))
     assert graph_properties(gm) == {SHAPES}
-    assert find_blocks(gm) == []
+    assert find_blocks(gm) == PassResult(gm, modified=False, value=[])
 
 
 def test_properties_follow_the_pipeline(test_model) -> None:
     """Each pass records what it ensures; folding and lifting drop the analysis tags they outdate."""
-    gm = trace(test_model("resnet18"))
+    gm = trace(test_model("resnet18")).graph_module
     annotate_shapes(gm, (1, 3, 32, 32))
     analyze_graph(gm, "resnet18", (1, 3, 32, 32))
     assert graph_properties(gm) == {SHAPES, BLOCKS, RUNS}
@@ -207,41 +226,113 @@ def test_properties_follow_the_pipeline(test_model) -> None:
     assert graph_properties(copied) == graph_properties(gm)
 
 
-_WRITING = PassSpec("writes_graph", preserves_computation=True, modifies_graph=False)
-_RELU_TO_SIGMOID = PassSpec("relu_to_sigmoid", preserves_computation=False, modifies_graph=True)
+_WRITING = PassSpec("writes_graph", PassKind.ANALYSIS)
+_RELU_TO_SIGMOID = PassSpec("relu_to_sigmoid", PassKind.TRANSFORMATION, preserves_computation=False)
 
 
 @graph_pass(_WRITING)
-def _analysis_that_writes(gm: fx.GraphModule) -> None:
+def _analysis_that_writes(gm: fx.GraphModule) -> PassResult:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     with gm.graph.inserting_before(output):
         gm.graph.call_function(torch.neg, (output.args[0],))
+    return PassResult(gm, modified=False)
 
 
 @graph_pass(_WRITING)
-def _analysis_that_adds_a_module(gm: fx.GraphModule) -> None:
+def _analysis_that_adds_a_module(gm: fx.GraphModule) -> PassResult:
     gm.add_submodule("extra", nn.Identity())
+    return PassResult(gm, modified=False)
+
+
+class _Subclass(fx.GraphModule):
+    pass
+
+
+@graph_pass(_WRITING)
+def _analysis_that_changes_the_class(gm: fx.GraphModule) -> PassResult:
+    gm.__class__ = type("Swapped", (type(gm), _Subclass), {})
+    return PassResult(gm, modified=False)
+
+
+@graph_pass(_WRITING)
+def _analysis_that_writes_gm_meta(gm: fx.GraphModule) -> PassResult:
+    gm.meta["another_record"] = {"written": True}
+    return PassResult(gm, modified=False)
+
+
+@graph_pass(_WRITING)
+def _analysis_that_edits_gm_meta_in_place(gm: fx.GraphModule) -> PassResult:
+    gm.meta["record"]["written"] = False  # the dict the meta holds, not the meta itself
+    return PassResult(gm, modified=False)
 
 
 @graph_pass(_RELU_TO_SIGMOID)
-def _relu_to_sigmoid(gm: fx.GraphModule) -> None:
+def _relu_to_sigmoid(gm: fx.GraphModule) -> PassResult:
     """Edits the graph and leaves the lint + recompile tail to the runner."""
     for node in gm.graph.nodes:
         if node.target is torch.relu:
             node.target = torch.sigmoid
+    return PassResult(gm, modified=True)
 
 
-@pytest.mark.parametrize("writer", [_analysis_that_writes, _analysis_that_adds_a_module])
+@pytest.mark.parametrize(
+    "writer",
+    [
+        _analysis_that_writes,
+        _analysis_that_adds_a_module,
+        _analysis_that_changes_the_class,
+        _analysis_that_writes_gm_meta,
+        _analysis_that_edits_gm_meta_in_place,
+    ],
+)
 def test_analysis_that_writes_is_refused(writer) -> None:
     gm = _traced()
+    gm.meta["record"] = {"written": True}
     with pytest.raises(PassContractError, match="writes_graph.*changed the graph"):
         writer(gm)
     assert "writes_graph" not in graph_properties(gm)
 
 
+_RECORDING = module_record("records")
+
+
+@graph_pass(_RECORDING)
+def _record_and_swap_the_class(gm: fx.GraphModule) -> PassResult:
+    gm.meta["record"] = {"written": True}
+    gm.__class__ = type("Swapped", (type(gm), _Subclass), {})
+    return PassResult(gm, modified=True)
+
+
+@graph_pass(_RECORDING)
+def _record_that_adds_a_module(gm: fx.GraphModule) -> PassResult:
+    gm.add_submodule("extra", nn.Identity())
+    return PassResult(gm, modified=True)
+
+
+def test_a_module_record_may_change_the_class_and_gm_meta_only() -> None:
+    """record_conversion writes gm.meta and makes the module a ConvertedModel: a module record, which
+    the runner lets change just those two."""
+    assert record_conversion.pass_spec.kind is PassKind.MODULE_RECORD
+    gm = _traced()
+    assert isinstance(_record_and_swap_the_class(gm).graph_module, _Subclass)
+    assert gm.meta["record"] == {"written": True}
+    with pytest.raises(PassContractError, match="module record pass 'records' changed the graph"):
+        _record_that_adds_a_module(_traced())
+
+
+@graph_pass(_WRITING)
+def _analysis_that_returns_its_value_alone(gm: fx.GraphModule) -> list:
+    return []
+
+
+def test_a_pass_returns_a_pass_result() -> None:
+    with pytest.raises(PassContractError, match="writes_graph' returned list, not a PassResult"):
+        _analysis_that_returns_its_value_alone(_traced())
+
+
 def test_transformation_gets_lint_and_recompile_from_the_runner(image) -> None:
     model = _Small().eval()
-    gm = trace(model)  # shares the model's submodules
+    gm = trace(model).graph_module  # shares the model's submodules
     x = image((1, 3, 8, 8))
     _relu_to_sigmoid(gm)
     assert "torch.sigmoid(" in gm.code and "torch.relu(" not in gm.code
@@ -252,20 +343,23 @@ def test_transformation_gets_lint_and_recompile_from_the_runner(image) -> None:
 
 def test_an_analysis_cannot_declare_it_changes_output() -> None:
     with pytest.raises(ValueError, match="analysis pass"):
-        PassSpec("bad", preserves_computation=False, modifies_graph=False)
+        PassSpec("bad", PassKind.ANALYSIS, preserves_computation=False)
     with pytest.raises(ValueError, match="analysis pass"):
-        PassSpec("bad", preserves_computation=True, modifies_graph=False, invalidates=frozenset({RUNS}))
+        PassSpec("bad", PassKind.ANALYSIS, invalidates=frozenset({RUNS}))
+    with pytest.raises(ValueError, match="module record pass"):
+        PassSpec("bad", PassKind.MODULE_RECORD, preserves_computation=False)
 
 
 def test_a_declaration_names_only_registered_properties() -> None:
     with pytest.raises(ValueError, match="names .shapes., which is not in odeify.passes.properties"):
-        PassSpec("bad", preserves_computation=True, modifies_graph=True, requires=frozenset({"shapes"}))
+        PassSpec("bad", PassKind.TRANSFORMATION, requires=frozenset({"shapes"}))
 
 
-@graph_pass(PassSpec("scales_in_place", preserves_computation=True, modifies_graph=False))
-def _analysis_that_scales_a_weight(gm: fx.GraphModule) -> None:
+@graph_pass(PassSpec("scales_in_place", PassKind.ANALYSIS))
+def _analysis_that_scales_a_weight(gm: fx.GraphModule) -> PassResult:
     with torch.no_grad():
         gm.conv.weight.mul_(1.0)  # same values, but an in-place write: the version counter moves
+    return PassResult(gm, modified=False)
 
 
 def test_an_analysis_that_writes_a_tensor_in_place_is_refused() -> None:
@@ -273,14 +367,12 @@ def test_an_analysis_that_writes_a_tensor_in_place_is_refused() -> None:
         _analysis_that_scales_a_weight(_traced())
 
 
-_CLAIMS_SHAPES = PassSpec(
-    "claims_shapes", preserves_computation=True, modifies_graph=False, ensures=frozenset({SHAPES})
-)
+_CLAIMS_SHAPES = PassSpec("claims_shapes", PassKind.ANALYSIS, ensures=frozenset({SHAPES}))
 
 
 @graph_pass(_CLAIMS_SHAPES)
-def _claims_shapes_without_annotating(gm: fx.GraphModule) -> None:
-    pass
+def _claims_shapes_without_annotating(gm: fx.GraphModule) -> PassResult:
+    return PassResult(gm, modified=False)
 
 
 def test_an_ensured_property_that_does_not_hold_is_refused() -> None:
@@ -297,7 +389,7 @@ def test_forbidden_and_required_properties(test_model) -> None:
     checkpoint_segments(gm)
     with pytest.raises(PassContractError, match="raise_stages.*forbids segments"):
         raise_stages(gm)
-    raise_stages(inline_segments(gm))
+    raise_stages(inline_segments(gm).graph_module)
     assert STAGE_CALLS in graph_properties(gm) and LOWERED not in graph_properties(gm)
     with pytest.raises(PassContractError, match="raise_stages.*requires lowered"):
         raise_stages(gm)
@@ -397,9 +489,9 @@ def test_a_conv_weight_read_twice_is_not_folded(image) -> None:
     BatchNorm) reads must stay. Folded anyway, both convs read one folded weight: 0.79 relative off."""
     model = _Net([_SharedConv(torch.Generator().manual_seed(0))]).double().eval()
     shape = (2, 3, 16, 16)
-    gm = trace(copy.deepcopy(model))
+    gm = trace(copy.deepcopy(model)).graph_module
     annotate_shapes(gm, shape)
-    _assert_computes(model, fold_batchnorm(gm), image(shape, dtype=torch.float64))
+    _assert_computes(model, fold_batchnorm(gm).graph_module, image(shape, dtype=torch.float64))
 
 
 def test_a_run_of_frozen_convs_keeps_no_record_of_a_tensor_it_cannot_train() -> None:

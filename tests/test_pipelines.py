@@ -13,8 +13,9 @@ from torch import nn
 import odeify
 from odeify.compiler.pipeline import Job, Pipeline, PipelineError, Step
 from odeify.compiler.pipelines import CONVERT, PIPELINES
-from odeify.passes.lift import LIFT_RUNS
-from odeify.passes.tracing import ANNOTATE_SHAPES, TRACE
+from odeify.passes.contract import PassResult, analysis, graph_pass
+from odeify.passes.lift import lift_runs
+from odeify.passes.tracing import trace
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=lambda p: p.name)
@@ -24,10 +25,20 @@ def test_every_pipeline_is_in_order(pipeline: Pipeline) -> None:
 
 def test_a_pipeline_out_of_order_is_refused_before_it_runs() -> None:
     ran = []
-    bad = Pipeline("bad", (Step(TRACE, ran.append), Step(LIFT_RUNS, ran.append)))
+    bad = Pipeline("bad", (Step(trace, ran.append), Step(lift_runs, ran.append)))
     with pytest.raises(PipelineError, match="pipeline 'bad', step 2: pass 'lift_runs' requires runs"):
         bad.check()
     assert not ran
+
+
+def test_a_step_runs_the_pass_whose_declaration_it_checks() -> None:
+    """A step takes the declared pass function itself: the spec the pipeline checks is the one the
+    function runs under, and a function without a declaration is refused."""
+    for pipeline in PIPELINES:
+        for step in pipeline.steps:
+            assert step.spec is step.graph_pass.pass_spec
+    with pytest.raises(TypeError, match="'<lambda>' is not a declared pass"):
+        Step(lambda gm: PassResult(gm, modified=False))
 
 
 def test_convert_runs_its_passes_in_the_declared_order() -> None:
@@ -43,14 +54,16 @@ def test_convert_runs_its_passes_in_the_declared_order() -> None:
     assert names.index("set_manifestation") < names.index("lower_stages") < names.index("checkpoint_segments")
 
 
-def test_an_unexpected_error_names_the_pipeline_the_pass_and_the_passes_before() -> None:
-    def broken(job: Job) -> None:
-        raise RuntimeError("a bug in a pass")
+@graph_pass(analysis("broken"))
+def _broken(gm) -> PassResult:
+    raise RuntimeError("a bug in a pass")
 
-    pipeline = Pipeline("demo", (Step(TRACE, lambda job: None), Step(ANNOTATE_SHAPES, broken)))
+
+def test_an_unexpected_error_names_the_pipeline_the_pass_and_the_passes_before() -> None:
+    pipeline = Pipeline("demo", (Step(trace, lambda job: (job.source,)), Step(_broken)))
     with pytest.raises(RuntimeError, match="a bug in a pass") as info:
-        pipeline.run(Job())
-    assert "odeify: in pipeline 'demo', pass 'annotate_shapes' (after trace)" in info.value.__notes__
+        pipeline.run(Job(source=nn.Identity()))
+    assert "odeify: in pipeline 'demo', pass 'broken' (after trace)" in info.value.__notes__
 
 
 def test_a_user_error_passes_through_unchanged() -> None:

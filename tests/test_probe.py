@@ -21,9 +21,9 @@ from odeify.cli.parser import main
 from odeify.core.errors import ModelLoadError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models._testing import make_test_model
+from odeify.serialization.file_schema import PROBE_SOURCE
 from odeify.serialization.io import RECIPE_KEY
 from odeify.serialization.probe import FACTOR, PROBE_PREFIX
-from odeify.serialization.schema import PROBE_SOURCE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

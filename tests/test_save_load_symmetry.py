@@ -23,8 +23,8 @@ from odeify.core.errors import OdeifyError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models._testing import make_test_model
 from odeify.models.digits import digits_resnet
+from odeify.serialization.file_recipe import recipe_of
 from odeify.serialization.io import RECIPE_KEY
-from odeify.serialization.recipe import recipe_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 import odeify
 from odeify.core.errors import ModelLoadError
+from odeify.ir.fold_records import fold_records
 from odeify.models._testing import make_test_model
-from odeify.passes.fold_bn import fold_records
 from odeify.serialization.io import RECIPE_KEY
 
 pytestmark = pytest.mark.usefixtures("one_thread")

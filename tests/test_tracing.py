@@ -42,7 +42,7 @@ def _bn_stats(module: nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(("name", "kwargs"), TRACE_CASES)
 def test_traced_module_matches_eager_in_eval_mode(name: str, kwargs: dict, test_model, image) -> None:
     model = test_model(name, **kwargs)
-    gm = trace(copy.deepcopy(model))
+    gm = trace(copy.deepcopy(model)).graph_module
     x = image(SHAPE)
     with torch.no_grad():
         assert (gm(x) - model(x)).abs().max().item() == 0.0
@@ -52,7 +52,7 @@ def test_traced_module_matches_eager_in_eval_mode(name: str, kwargs: dict, test_
 def test_traced_module_matches_eager_in_train_mode(name: str, kwargs: dict, test_model, image) -> None:
     """Traced in eval mode, then ``.train()``: batch statistics and DropPath with the same RNG stream."""
     model = test_model(name, **kwargs)
-    gm = trace(copy.deepcopy(model))  # own copy: running statistics must update independently
+    gm = trace(copy.deepcopy(model)).graph_module  # own copy: running statistics must update independently
     assert not gm.training
     x = image(SHAPE)
     before = _bn_stats(model)
@@ -80,14 +80,14 @@ def test_traced_module_matches_eager_in_train_mode(name: str, kwargs: dict, test
 def test_drop_path_is_a_leaf(name: str, kwargs: dict, test_model) -> None:
     """Traced through, DropPath's training branch would be frozen out of the graph."""
     model = test_model(name, **kwargs)
-    gm = trace(model)
+    gm = trace(model).graph_module
     expected = [m for m in model.modules() if isinstance(m, DropPath)]
     assert expected
     assert len(_module_nodes(gm, DropPath)) == len(expected)
 
 
 def test_leaf_policy_traces_convs_and_keeps_norms_opaque(test_model) -> None:
-    gm = trace(test_model("resnet18"))
+    gm = trace(test_model("resnet18")).graph_module
     functions = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     assert torch.conv2d in functions
     assert not _module_nodes(gm, nn.Conv2d)  # traced into torch.conv2d with get_attr weights
@@ -99,7 +99,7 @@ def test_leaf_policy_traces_convs_and_keeps_norms_opaque(test_model) -> None:
 def test_normfree_blocks_are_traced_through(test_model) -> None:
     from timm.models.nfnet import NormFreeBlock
 
-    gm = trace(test_model("nf_resnet50"))
+    gm = trace(test_model("nf_resnet50")).graph_module
     assert not _module_nodes(gm, NormFreeBlock)
     adds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ADD_TARGETS]
     assert len(adds) >= 16  # one residual add per block is visible
@@ -118,13 +118,13 @@ def test_extra_leaves_stay_opaque() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.inner(x) + 1
 
-    assert not _module_nodes(trace(Outer()), Inner)
-    assert len(_module_nodes(trace(Outer(), extra_leaves=[Inner]), Inner)) == 1
+    assert not _module_nodes(trace(Outer()).graph_module, Inner)
+    assert len(_module_nodes(trace(Outer(), extra_leaves=[Inner]).graph_module, Inner)) == 1
 
 
 def test_annotate_shapes_records_every_tensor(test_model) -> None:
     model = test_model("resnet18", dtype=torch.float64)
-    gm = trace(model)
+    gm = trace(model).graph_module
     annotate_shapes(gm, (1, 3, 64, 64))
     for node in gm.graph.nodes:
         if node.op != "output":
@@ -153,7 +153,7 @@ def test_annotate_shapes_runs_data_dependent_leaves_for_real() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.gate(x) + x
 
-    gm = trace(Net(), extra_leaves=[Gate])
+    gm = trace(Net(), extra_leaves=[Gate]).graph_module
     annotate_shapes(gm, (1, 4, 5, 5))
     gate = next(n for n in gm.graph.nodes if n.op == "call_module")
     assert node_shape(gate) == (1, 4, 5, 5)
@@ -215,7 +215,7 @@ class _MaskableNet(nn.Module):
 def test_optional_arguments_are_traced_at_their_defaults(image) -> None:
     """Traced as placeholders, ``attn_mask`` would enter every branch and hide every block."""
     model = _MaskableNet().eval()
-    gm = trace(model)
+    gm = trace(model).graph_module
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
     assert not [n for n in gm.graph.nodes if n.op == "call_function" and "assert" in str(n.target)]
     x = image((2, 3, 8, 8))

@@ -188,15 +188,15 @@ def test_reversible_whole_model_memory_is_flat_in_steps(converted) -> None:
 
 
 def test_segments_keep_names_state_dict_and_inline_exactly(converted) -> None:
-    gm = inline_segments(odeify.set_backward(copy.deepcopy(converted["euler"]), "checkpoint"))
+    gm = inline_segments(odeify.set_backward(copy.deepcopy(converted["euler"]), "checkpoint")).graph_module
     graph, code, keys = str(gm.graph), gm.code, list(gm.state_dict())
-    segmented = checkpoint_segments(copy.deepcopy(gm))
+    segmented = checkpoint_segments(copy.deepcopy(gm)).graph_module
     segments = [m for m in segmented.modules() if isinstance(m, Segment)]
     assert len(segments) == 5  # stem + layer1.0, layer2.0, layer3.0, layer4.0, head
     assert list(segmented.state_dict()) == keys and not any(list(s.parameters()) for s in segments)
-    assert checkpoint_segments(segmented) is segmented and len(list(segmented.modules())) == len(
-        list(checkpoint_segments(segmented).modules())
-    )
+    again = checkpoint_segments(segmented)
+    assert again.graph_module is segmented and not again.modified
+    assert len(list(segmented.modules())) == len(list(checkpoint_segments(segmented).graph_module.modules()))
     for copied in (copy.deepcopy(segmented), pickle.loads(pickle.dumps(segmented))):
         x, _ = inputs(torch.float64)
         torch.testing.assert_close(copied(x), gm(x), rtol=0, atol=0)
@@ -229,7 +229,7 @@ class _Head(nn.Module):
 
 def test_train_mode_batchnorm_in_a_segment_is_refused() -> None:
     """Recomputing a train-mode BatchNorm would update its running statistics twice: refuse it."""
-    gm = checkpoint_segments(fx.symbolic_trace(_Head()))
+    gm = checkpoint_segments(fx.symbolic_trace(_Head())).graph_module
     x = torch.randn(2, 3, 8, 8)
     with pytest.raises(ConfigError, match=r"BatchNorm 'norm' is in training mode.*\.eval\(\)"):
         gm(x)
@@ -244,7 +244,7 @@ def test_train_mode_batchnorm_in_a_segment_is_refused() -> None:
 
 def test_a_model_without_stages_is_one_segment_with_eager_gradients() -> None:
     model = _Head().double().eval()
-    gm = checkpoint_segments(fx.symbolic_trace(copy.deepcopy(model)))
+    gm = checkpoint_segments(fx.symbolic_trace(copy.deepcopy(model))).graph_module
     assert sum(isinstance(m, Segment) for m in gm.modules()) == 1
     x, cot = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.ones(2, 4, dtype=torch.float64)
     assert_grads_close(grads_of(gm, x, cot), grads_of(model, x, cot), 1e-13)  # recomputed: measured 0.0

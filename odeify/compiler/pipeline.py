@@ -1,12 +1,15 @@
 """The one runner of odeify's pipelines: an ordered list of declared passes over one compilation job.
 
 In the spirit of torch.fx's ``PassManager``: a :class:`Pipeline` is a name and a tuple of
-:class:`Step`s, each step one declared graph pass (its :class:`~odeify.passes.contract.PassSpec`)
-and how to call it on the :class:`Job`. :meth:`Pipeline.check` verifies, without running anything,
-that every step's requirements are ensured by the steps before it (or by the graph it starts
-from); :meth:`Pipeline.run` runs the steps in order. Each pass still checks its own contract when
-it runs; what the runner adds is the order, written once, and errors that name the pipeline, the
-pass and the passes before it. The pipelines themselves are in :mod:`odeify.compiler.pipelines`.
+:class:`Step`s. Each step is one pass function, declared with
+:func:`~odeify.passes.contract.graph_pass` (the step reads the function's own
+:class:`~odeify.passes.contract.PassSpec`), what it is called with from the :class:`Job`, and what
+the job keeps of its :class:`~odeify.passes.contract.PassResult`. :meth:`Pipeline.check` verifies,
+without running anything, that every step's requirements are ensured by the steps before it (or by
+the graph it starts from); :meth:`Pipeline.run` runs the steps in order. Each pass still checks its
+own contract when it runs; what the runner adds is the order, written once, and errors that name
+the pipeline, the pass and the passes before it. The pipelines themselves are in
+:mod:`odeify.compiler.pipelines`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import nn
 from odeify.core.errors import OdeifyError
 from odeify.ir.plan import Block, Plan
 from odeify.ir.settings import StageRequest
-from odeify.passes.contract import PassContractError, PassSpec
+from odeify.passes.contract import GraphPass, PassContractError, PassResult, PassSpec
 from odeify.passes.properties import Property
 
 __all__ = ["Job", "Pipeline", "PipelineError", "Step"]
@@ -54,17 +57,55 @@ class Job:
     not_lifted: dict[str, str] = field(default_factory=dict)
 
 
+def _graph_module_of(job: Job) -> tuple[Any, ...]:
+    """A step's arguments when its pass needs the job's graph module alone."""
+    return (job.gm,)
+
+
+def _keep_graph_module(job: Job, result: PassResult) -> None:
+    """What a job keeps of most passes' results: the graph module they leave."""
+    job.gm = result.graph_module
+
+
+def _always(job: Job) -> bool:
+    """A step that runs on every job."""
+    return True
+
+
 @dataclass(frozen=True)
 class Step:
-    """One pass of a pipeline: its declaration, and how to run it on a job (``when`` it applies)."""
+    """One pass of a pipeline: the pass function itself, and how it runs on a job.
 
-    spec: PassSpec
-    run: Callable[[Job], Any]
-    when: Callable[[Job], bool] = lambda job: True
+    ``graph_pass`` is called with ``arguments(job)`` (by default the job's graph module), and
+    ``keep(job, result)`` stores what the job needs of its result (by default the graph module); the
+    step runs only ``when`` it applies. Its declaration is the function's own ``pass_spec``, so the
+    pipeline checks the contract of the very function it runs.
+    """
+
+    graph_pass: GraphPass
+    arguments: Callable[[Job], tuple[Any, ...]] = _graph_module_of
+    keep: Callable[[Job, PassResult], None] = _keep_graph_module
+    when: Callable[[Job], bool] = _always
+
+    def __post_init__(self) -> None:
+        if not isinstance(getattr(self.graph_pass, "pass_spec", None), PassSpec):
+            raise TypeError(
+                f"{getattr(self.graph_pass, '__name__', self.graph_pass)!r} is not a declared pass: a "
+                "pipeline step takes a function decorated with odeify.passes.contract.graph_pass"
+            )
+
+    @property
+    def spec(self) -> PassSpec:
+        """The declaration of the pass this step runs."""
+        return self.graph_pass.pass_spec  # type: ignore[attr-defined]
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def run(self, job: Job) -> None:
+        """Run the pass on ``job`` and keep what the job needs of its result."""
+        self.keep(job, self.graph_pass(*self.arguments(job)))
 
 
 @dataclass(frozen=True)

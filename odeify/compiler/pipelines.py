@@ -1,5 +1,8 @@
 """odeify's pipelines, each the ordered list of passes it runs, written once.
 
+Each :class:`~odeify.compiler.pipeline.Step` takes the pass function itself (its declaration comes
+with it), the job's parts it is called with, and what the job keeps of its result.
+
 * :data:`ANALYZE`: trace, shapes, find blocks, group runs (``odeify.analyze``);
 * :data:`CONVERT`: trace, shapes, fold BatchNorm, find blocks, group runs, lift the runs into
   native stages, record the conversion, mark timm's head, set the requested manifestation, lower,
@@ -15,44 +18,45 @@ plus :data:`TRACE_SHAPES` and :data:`ANALYZE_GRAPH`, the first two parts of ANAL
 from __future__ import annotations
 
 from odeify.compiler.pipeline import Job, Pipeline, Step
-from odeify.compiler.record import RECORD_CONVERSION, record_conversion
+from odeify.compiler.record import record_conversion
 from odeify.core.errors import NoResidualBlocksError
 from odeify.ir.plan import Plan, Run
 from odeify.models.timm_interface import META_TIMM
-from odeify.passes.fold_bn import FOLD_BATCHNORM, fold_batchnorm
-from odeify.passes.head import MARK_HEAD, mark_head
-from odeify.passes.lift import LIFT_RUNS, RunParts, SplitParts, lift_runs
-from odeify.passes.lower import LOWER_STAGES, RAISE_STAGES, lower_stages, raise_stages, stage_nodes
-from odeify.passes.manifest import SET_MANIFESTATION, set_manifestation
+from odeify.passes.contract import PassResult
+from odeify.passes.fold_bn import fold_batchnorm
+from odeify.passes.head import mark_head
+from odeify.passes.lift import RunParts, SplitParts, lift_runs
+from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
+from odeify.passes.manifest import set_manifestation
 from odeify.passes.properties import LOWERED, SEGMENTS, SHAPES
-from odeify.passes.residual_blocks import FIND_BLOCKS, find_blocks
-from odeify.passes.runs import GROUP_RUNS, group_runs
-from odeify.passes.segments import CHECKPOINT_SEGMENTS, INLINE_SEGMENTS, checkpoint_segments, inline_segments
-from odeify.passes.tracing import ANNOTATE_SHAPES, TRACE, annotate_shapes, trace
+from odeify.passes.residual_blocks import find_blocks
+from odeify.passes.runs import group_runs
+from odeify.passes.segments import checkpoint_segments, inline_segments
+from odeify.passes.tracing import annotate_shapes, trace
 from odeify.runtime.split_stage import SplitStage
 from odeify.runtime.stage import ODEStage
 
 __all__ = ["ANALYZE", "ANALYZE_GRAPH", "CONVERT", "PIPELINES", "REMANIFEST", "TRACE_SHAPES"]
 
 
-def _trace(job: Job) -> None:
-    job.gm = trace(job.source, job.leaf_modules)
+def _model_of(job: Job) -> tuple:
+    return (job.source, job.leaf_modules)
 
 
-def _annotate_shapes(job: Job) -> None:
-    annotate_shapes(job.gm, job.input_shape)
+def _graph_and_shape(job: Job) -> tuple:
+    return (job.gm, job.input_shape)
 
 
-def _fold_batchnorm(job: Job) -> None:
-    fold_batchnorm(job.gm)
+def _keep_blocks(job: Job, result: PassResult) -> None:
+    job.blocks = result.value
 
 
-def _find_blocks(job: Job) -> None:
-    job.blocks = find_blocks(job.gm)
+def _graph_and_blocks(job: Job) -> tuple:
+    return (job.gm, job.blocks)
 
 
-def _group_runs(job: Job) -> None:
-    runs, discrete = group_runs(job.gm, job.blocks)
+def _keep_plan(job: Job, result: PassResult) -> None:
+    runs, discrete = result.value
     if not runs:
         blocks = job.blocks
         found = f"{len(blocks)} projection blocks but no identity block" if blocks else "no residual add"
@@ -92,31 +96,41 @@ def _native_stage(run: Run, parts: RunParts | SplitParts) -> ODEStage:
     return ODEStage(run.name, parts.template, parts.slots, tensors, run.form, run.length, parts.variants)
 
 
-def _lift_runs(job: Job) -> None:
-    job.gm, job.not_lifted = lift_runs(job.gm, job.plan.runs, _native_stage)
+def _runs_to_lift(job: Job) -> tuple:
+    return (job.gm, job.plan.runs, _native_stage)
 
 
-def _record_conversion(job: Job) -> None:
-    job.gm = record_conversion(job.gm, job.source, job.plan, job.not_lifted)
+def _keep_lifted(job: Job, result: PassResult) -> None:
+    job.gm, job.not_lifted = result.graph_module, result.value
 
 
-def _mark_head(job: Job) -> None:
-    record = job.gm.meta[META_TIMM]
-    if record["classifier"] and hasattr(job.source, "forward_head"):
-        record["classifier_is_call"] = mark_head(job.gm, job.source, record["classifier"])
+def _conversion(job: Job) -> tuple:
+    return (job.gm, job.source, job.plan, job.not_lifted)
 
 
-def _set_manifestation(job: Job) -> None:
+def _has_head(job: Job) -> bool:
+    return bool(job.gm.meta[META_TIMM]["classifier"]) and hasattr(job.source, "forward_head")
+
+
+def _head_of(job: Job) -> tuple:
+    return (job.gm, job.source, job.gm.meta[META_TIMM]["classifier"])
+
+
+def _keep_head(job: Job, result: PassResult) -> None:
+    job.gm.meta[META_TIMM]["classifier_is_call"] = result.value
+
+
+def _requested_settings(job: Job) -> tuple:
     names = [stage.stage_name for _, stage in stage_nodes(job.gm)]
-    set_manifestation(job.gm, job.settings_for(names))
+    return (job.gm, job.settings_for(names))
 
 
 def _whole_model(job: Job) -> bool:
     return job.whole_model
 
 
-_TRACE = (Step(TRACE, _trace), Step(ANNOTATE_SHAPES, _annotate_shapes))
-_ANALYSIS = (Step(FIND_BLOCKS, _find_blocks), Step(GROUP_RUNS, _group_runs))
+_TRACE = (Step(trace, _model_of), Step(annotate_shapes, _graph_and_shape))
+_ANALYSIS = (Step(find_blocks, keep=_keep_blocks), Step(group_runs, _graph_and_blocks, _keep_plan))
 
 TRACE_SHAPES = Pipeline("trace", _TRACE)
 ANALYZE_GRAPH = Pipeline("analyze_graph", _ANALYSIS, given=frozenset({SHAPES}))
@@ -125,24 +139,24 @@ CONVERT = Pipeline(
     "convert",
     (
         *_TRACE,
-        Step(FOLD_BATCHNORM, _fold_batchnorm),
+        Step(fold_batchnorm),
         *_ANALYSIS,
-        Step(LIFT_RUNS, _lift_runs),
-        Step(RECORD_CONVERSION, _record_conversion),
-        Step(MARK_HEAD, _mark_head),
-        Step(SET_MANIFESTATION, _set_manifestation),
-        Step(LOWER_STAGES, lambda job: lower_stages(job.gm)),
-        Step(CHECKPOINT_SEGMENTS, lambda job: checkpoint_segments(job.gm), when=_whole_model),
+        Step(lift_runs, _runs_to_lift, _keep_lifted),
+        Step(record_conversion, _conversion),
+        Step(mark_head, _head_of, _keep_head, when=_has_head),
+        Step(set_manifestation, _requested_settings),
+        Step(lower_stages),
+        Step(checkpoint_segments, when=_whole_model),
     ),
 )
 REMANIFEST = Pipeline(
     "remanifest",
     (
-        Step(INLINE_SEGMENTS, lambda job: inline_segments(job.gm)),
-        Step(RAISE_STAGES, lambda job: raise_stages(job.gm)),
-        Step(SET_MANIFESTATION, _set_manifestation),
-        Step(LOWER_STAGES, lambda job: lower_stages(job.gm)),
-        Step(CHECKPOINT_SEGMENTS, lambda job: checkpoint_segments(job.gm), when=_whole_model),
+        Step(inline_segments),
+        Step(raise_stages),
+        Step(set_manifestation, _requested_settings),
+        Step(lower_stages),
+        Step(checkpoint_segments, when=_whole_model),
     ),
     given=frozenset({LOWERED, SEGMENTS}),
 )

@@ -2,7 +2,7 @@
 
 ``gm.meta[META]`` holds the source architecture (a timm or odeify name and build kwargs, or why
 none is known), dtype, display name, input shape, original parameter count and the runs not lifted
-and why. ``odeify.serialization.recipe`` writes a saved file's recipe from it.
+and why. ``odeify.serialization.file_recipe`` writes a saved file's recipe from it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ModelLoadError
 from odeify.ir.plan import Plan
 from odeify.models.archs import arch_spec
-from odeify.models.timm_interface import ConvertedModel, adopt
-from odeify.passes.contract import analysis, graph_pass
+from odeify.models.timm_interface import adopt
+from odeify.passes.contract import PassResult, graph_pass, module_record
 from odeify.passes.properties import STAGE_CALLS
 from odeify.runtime.stage import ODEStage
 
@@ -25,7 +25,7 @@ __all__ = ["META", "RECORD_CONVERSION", "record_conversion"]
 
 META = "odeify"  # GraphModule.meta key of the conversion record
 
-RECORD_CONVERSION = analysis(  # writes gm.meta and makes gm a ConvertedModel; the graph stays as it is
+RECORD_CONVERSION = module_record(  # writes gm.meta and makes gm a ConvertedModel; the graph stays as it is
     "record_conversion", requires={STAGE_CALLS}
 )
 
@@ -33,8 +33,10 @@ RECORD_CONVERSION = analysis(  # writes gm.meta and makes gm a ConvertedModel; t
 @graph_pass(RECORD_CONVERSION)
 def record_conversion(
     gm: fx.GraphModule, source: nn.Module, plan: Plan, skipped: Mapping[str, str]
-) -> ConvertedModel:
-    """Record on ``gm`` what rebuilds it and the source's timm interface; returns it as a ConvertedModel.
+) -> PassResult:
+    """Record on ``gm`` what rebuilds it and the source's timm interface, and make it a ConvertedModel.
+
+    In place: the result's graph module is ``gm``, its class now derived from ConvertedModel.
 
     Called by ``convert`` once the runs are lifted (before lowering): ``plan``'s block names let the
     optimizer grouping read each knot stack like the blocks it came from.
@@ -58,4 +60,4 @@ def record_conversion(
     blocks = {
         attrs[run.name]: [block.scope for block in run.blocks] for run in plan.runs if run.name in attrs
     }
-    return adopt(gm, source, blocks)
+    return PassResult(adopt(gm, source, blocks), modified=True)

@@ -2,7 +2,7 @@
 
 A converted model at native depth computes its source network. Compressing, refining or fine-tuning
 changes its tensors; the source's values are kept as ``source_`` buffers
-(:mod:`odeify.passes.source`), so the model can still run the network it was converted from: the
+(:mod:`odeify.ir.source_tensors`), so the model can still run the network it was converted from: the
 teacher of fine-tuning, the target of calibration, and what a saved file's probe checks.
 """
 
@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from odeify.compiler.conversion import converted_stages, retarget
 from odeify.core.errors import ConfigError
-from odeify.passes.source import drop_sources, source_values, stage_source
+from odeify.ir.source_tensors import drop_sources, source_values, stage_source
 
 __all__ = ["source_network", "unknown_source"]
 

@@ -18,8 +18,8 @@ from odeify.codegen.emit import count_evaluations
 from odeify.compiler.conversion import converted_stages
 from odeify.compiler.record import META
 from odeify.core.errors import ConfigError
+from odeify.ir.fold_records import fold_records
 from odeify.ir.plan import Plan
-from odeify.passes.fold_bn import fold_records
 
 FORM_NAMES = {"post": "post-activation", "pre": "pre-activation"}
 

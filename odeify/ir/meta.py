@@ -7,7 +7,7 @@ reader goes through :func:`tag` and :func:`node_tag`, so the fields are checked 
 keys spread over modules. A frozen dataclass survives ``copy.deepcopy`` of the graph module.
 
 The graph module's own record (``gm.meta["odeify"]``: what rebuilds a converted model) is the
-conversion recipe of :mod:`odeify.serialization.recipe`.
+conversion recipe of :mod:`odeify.serialization.file_recipe`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Save and load converted models: one safetensors file, the tensors plus a JSON recipe, never pickles.
 
-A saved model is self-contained: its recipe (:mod:`odeify.serialization.recipe`) names the source
-architecture as a timm name and build kwargs, never a path or the source weights. ``load`` builds
+A saved model is self-contained: its recipe (:mod:`odeify.serialization.file_recipe`) names the
+source architecture as a timm name and build kwargs, never a path or the source weights. ``load`` builds
 that architecture with random weights (or takes the ``model=`` you pass), converts it with the
 recorded settings, checks every saved tensor against the result, loads them (with the fold
-records and source tensors the file has: what fine-tuning reads, :mod:`odeify.passes.source`),
+records and source tensors the file has: what fine-tuning reads, :mod:`odeify.ir.source_tensors`),
 checks the fold records (:mod:`odeify.serialization.records`) and that the result computes what
 was saved, its source network included (:mod:`odeify.serialization.probe`). It opens
 no path but the one it is given and needs no network, so a file loads the same on any machine
 with odeify, torch and timm.
 
-``save`` checks what it writes with load's own rules (:mod:`odeify.serialization.schema`, the tensor
-checks below, the resource budgets): a model load would refuse is refused before anything is
+``save`` checks what it writes with load's own rules (:mod:`odeify.serialization.file_schema`, the
+tensor checks below, the resource budgets): a model load would refuse is refused before anything is
 written, with the same words.
 
 What a file may not decide: whether it is checked. A current-version file without its probe is
@@ -44,15 +44,15 @@ from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.core.fileio import atomic_write_bytes, read_header, read_tensors
 from odeify.core.paths import MODEL_SUFFIX, input_file, output_file
+from odeify.ir.fold_records import FOLDS, drop_fold_records, fold_records
 from odeify.ir.settings import StageRequest
+from odeify.ir.source_tensors import attach_sources, drop_sources
 from odeify.models.archs import build_arch
 from odeify.models.timm_interface import ConvertedModel
-from odeify.passes.fold_bn import FOLDS, drop_fold_records, fold_records
-from odeify.passes.source import attach_sources, drop_sources
+from odeify.serialization.file_recipe import DTYPES, FORMAT_VERSION, Recipe, integrator_of, recipe_of
+from odeify.serialization.file_schema import RecipeError, parse_recipe, validate_recipe
 from odeify.serialization.probe import PROBE_PREFIX, check_probe, record_probe
-from odeify.serialization.recipe import DTYPES, FORMAT_VERSION, Recipe, integrator_of, recipe_of
 from odeify.serialization.records import check_fold_records
-from odeify.serialization.schema import RecipeError, parse_recipe, validate_recipe
 
 __all__ = ["RECIPE_KEY", "load", "save"]
 

@@ -4,7 +4,7 @@ A file's tensors can fit the model its recipe rebuilds while the rebuilt model c
 else (a build kwarg that changes the activation or the pooling, a stage entry missing from the
 recipe). So ``save`` runs the model on a fixed seeded input of the recorded input size (batch 1)
 and records, for each stage in graph order and for the whole model's output, a subsample of what
-it computed; a model that keeps its source's tensors (:mod:`odeify.passes.source`: compressed,
+it computed; a model that keeps its source's tensors (:mod:`odeify.ir.source_tensors`: compressed,
 refined or fine-tuned) records its source network's output too, the teacher fine-tuning distills
 from, which the model's own forward never reads. ``load`` runs the rebuilt model in float64 on the
 same input and compares: every probe point must lie within :data:`FACTOR` times the round-off of
@@ -40,8 +40,8 @@ from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ModelLoadError
 from odeify.ir.meta import node_tag
-from odeify.passes.source import SOURCE_PREFIX
-from odeify.serialization.schema import PROBE_OUTPUT, PROBE_SOURCE
+from odeify.ir.source_tensors import SOURCE_PREFIX
+from odeify.serialization.file_schema import PROBE_OUTPUT, PROBE_SOURCE
 
 __all__ = ["FACTOR", "PROBE_PREFIX", "PROBE_SEED", "check_probe", "record_probe"]
 

@@ -1,6 +1,6 @@
 """Load's check of the fold records: tensors a saved model's forward never reads, but fine-tuning does.
 
-A fold record (:class:`odeify.passes.fold_bn.FoldRecord`) holds the coordinates fine-tuning trains
+A fold record (:class:`odeify.ir.fold_records.FoldRecord`) holds the coordinates fine-tuning trains
 the folded tensors in (:mod:`odeify.train.parametrization`): from the folded ``scaled`` and
 ``shifted`` and the record's ``gamma``, ``inv_std`` and ``offset`` it derives the source's conv
 weight ``V`` and BatchNorm bias ``beta``, and after every step writes the folded tensors back:
@@ -25,7 +25,7 @@ from torch import nn
 
 from odeify.compiler.conversion import converted_stages
 from odeify.core.errors import ModelLoadError
-from odeify.passes.fold_bn import FoldRecord, fold_records
+from odeify.ir.fold_records import FoldRecord, fold_records
 from odeify.serialization.probe import FACTOR, ULPS_FLOOR
 
 __all__ = ["check_fold_records"]

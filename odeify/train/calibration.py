@@ -39,7 +39,7 @@ from torch import nn
 from odeify.compiler.conversion import check_converted, converted_stages, retarget
 from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.errors import ConfigError
-from odeify.passes.source import record_stage_source
+from odeify.ir.source_tensors import record_stage_source
 from odeify.runtime.stage import ODEStage
 from odeify.train.calibration_data import CalibrationData, calibration_images
 from odeify.train.manifestations import at_source_manifestation

@@ -68,7 +68,7 @@ from odeify.compiler.conversion import converted_stages
 from odeify.core.errors import ConfigError, TrainingDiverged
 from odeify.core.lock import folder_lock
 from odeify.core.paths import output_folder
-from odeify.passes.source import record_source
+from odeify.ir.source_tensors import record_source
 from odeify.serialization.io import save
 from odeify.train.calibration import calibrate
 from odeify.train.datasets import LabelledData, check_data, make_loader

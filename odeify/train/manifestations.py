@@ -3,7 +3,7 @@
 :func:`for_training` is the one policy for which backward mode a run trains with, for Python and
 command-line users alike: a memory-free mode per stage unless one is asked for.
 :func:`source_network` is the teacher: the network the model was converted from, run from the
-source tensors the model keeps (:mod:`odeify.passes.source`), whatever its knots are now.
+source tensors the model keeps (:mod:`odeify.ir.source_tensors`), whatever its knots are now.
 """
 
 from __future__ import annotations

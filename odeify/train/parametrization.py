@@ -7,7 +7,7 @@ corpus's resnet18), so an Adam step, about ``lr`` per element, is as large as th
 themselves: one step of the learning rate the source trained with destroys the converted model.
 
 So the optimizer never sees a folded tensor. For every folded BatchNorm (its
-:class:`~odeify.passes.fold_bn.FoldRecord`) fine-tuning keeps the source's own tensors of that
+:class:`~odeify.ir.fold_records.FoldRecord`) fine-tuning keeps the source's own tensors of that
 layer, the conv weight ``V`` (none for a per-channel affine), the BatchNorm's ``gamma`` and
 ``beta``, and trains those; the folded tensors are a function of them and the frozen statistics:
 
@@ -21,7 +21,7 @@ autograd), and after the optimizer step :meth:`SourceCoordinates.push` writes th
 and gamma into the record, back. With its statistics frozen, as folding freezes them, a step
 changes the converted model as the same step changes the source (``tests/test_parametrization.py``).
 In a stage the same holds per knot; a compressed or refined knot has a record fitted with its
-knots (:func:`odeify.passes.fold_bn.refit_fold_records`).
+knots (:func:`odeify.passes.manifest.refit_fold_records`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 
 from odeify.compiler.conversion import converted_stages
 from odeify.core.errors import ConfigError
-from odeify.passes.fold_bn import FoldRecord, fold_records
+from odeify.ir.fold_records import FoldRecord, fold_records
 
 __all__ = ["SourceCoordinates", "param_groups"]
 

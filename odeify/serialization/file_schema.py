@@ -38,7 +38,7 @@ from odeify.models.archs import check_arch_name, check_file_kwargs
 from odeify.models.data_config import check_data_config
 from odeify.numerics.bases import BASES, MAX_KNOTS
 from odeify.numerics.tableaus import KNOWN_INTEGRATORS
-from odeify.serialization.recipe import (
+from odeify.serialization.file_recipe import (
     DTYPES,
     FORMAT,
     FORMAT_VERSION,
@@ -128,7 +128,7 @@ def _version(body: Mapping[str, Any]) -> int:
         _is_int(version, -math.inf, math.inf), f"the format version must be an integer, not {version!r:.40}"
     )
     if version > FORMAT_VERSION:
-        from odeify.serialization.recipe import odeify_version
+        from odeify.serialization.file_recipe import odeify_version
 
         raise RecipeError(
             f"written by a newer odeify (format version {version}; this odeify {odeify_version()} reads up "

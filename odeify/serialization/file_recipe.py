@@ -5,7 +5,7 @@ path, never the source weights), the input shape and dtype, the source's data co
 manifestation setting per stage, and the probe: what the model computed on a fixed seeded input
 when it was saved (:mod:`odeify.serialization.probe`). ``odeify.save`` writes it next to the
 tensors and ``odeify.load`` reads it back; both check it against one schema
-(:mod:`odeify.serialization.schema`), so what save writes is what load reads.
+(:mod:`odeify.serialization.file_schema`), so what save writes is what load reads.
 """
 
 from __future__ import annotations
