@@ -25,11 +25,10 @@ from odeify.cli.calibration import calibrate_with_flags
 from odeify.cli.console import console_on, stdout_is_data
 from odeify.cli.data_flags import DATA_CONFIG_FLAGS, apply_data_config, check_size_flags, trace_size
 from odeify.cli.retarget_report import retarget_changes
-from odeify.compiler.verification import VERIFY_SEED
+from odeify.compiler.verification import VERIFY_SEED, VerificationError
 from odeify.core.errors import ConfigError, OdeifyError, did_you_mean
 from odeify.core.fileio import atomic_write_bytes, read_header
 from odeify.core.paths import MODEL_SUFFIX, output_file, output_folder, same_file
-from odeify.ir.settings import DEFAULTS
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
 from odeify.models.inert_scales import TINY_SCALE, inert_scales
@@ -110,18 +109,22 @@ def _source_model(args: argparse.Namespace) -> tuple[nn.Module, str, tuple[int, 
 
 
 def _convert_source(args: argparse.Namespace, **settings: Any) -> fx.GraphModule:
-    """MODEL converted by name or path (so that the saved file can name its source), with the
-    data-config flags over what MODEL records."""
+    """MODEL converted by name or path (so that the saved file can name its source), checked unless
+    --no-verify, with the data-config flags over what MODEL records (also on a failed check's model)."""
     check_size_flags(args)
     _refuse_converted(args)
     source = _source_model(args)[0] if args.leaf or args.img_size is not None else None
     leaves = _leaf_modules(source, args.leaf) if source is not None and args.leaf else []
-    with _seeded_random_weights(args):
-        converted = odeify.convert(
-            _source(args), input_size=trace_size(args, source), leaf_modules=leaves, **_load_kwargs(args),
-            **settings,
-        )  # fmt: skip
     from_file = args.model if args.model and os.path.lexists(args.model) else None
+    try:
+        with _seeded_random_weights(args):
+            converted = odeify.convert(
+                _source(args), input_size=trace_size(args, source), leaf_modules=leaves, verify=args.verify,
+                **_load_kwargs(args), **settings,
+            )  # fmt: skip
+    except VerificationError as failed:
+        apply_data_config(failed.converted, args, recorded=from_file)
+        raise
     return apply_data_config(converted, args, recorded=from_file)
 
 
@@ -132,8 +135,8 @@ RANDOM_WEIGHTS_SEED = 0
 def _seeded_random_weights(args: argparse.Namespace):
     """Random weights from one seed while a timm name without weights is built.
 
-    Such a MODEL is built twice (the source that --verify runs, and the one convert converts and
-    saves); drawn from one seed they are the same network, so the check compares like with like.
+    Such a MODEL is built twice (the source whose inert scales convert names, and the one it converts,
+    checks and saves); drawn from one seed they are the same network, so the note is about that one.
     """
     if not _random_timm_weights(args):
         yield
@@ -254,7 +257,7 @@ def _inspect_source(args: argparse.Namespace, dot: Path | None, plot: Path | Non
     plan = analyze_graph(gm, name, shape)
     converted = None
     if dot or plot or args.code:
-        converted = odeify.convert(model, input_size=shape, leaf_modules=leaves)
+        converted = odeify.convert(model, input_size=shape, leaf_modules=leaves, verify=args.verify)
     if dot:
         atomic_write_bytes(dot, plan_to_dot(gm, plan).encode())
         converted_dot = dot.with_name(f"{dot.stem}.converted{dot.suffix or '.dot'}")
@@ -317,15 +320,18 @@ def _code_listing(model: fx.GraphModule) -> str:
 
 # -- convert, retarget -----------------------------------------------------------------------------
 def run_convert(args: argparse.Namespace) -> int:
-    """Convert natively, verify against the source, apply the manifestation, save, report."""
+    """Convert (the library checks the native conversion against the source), save, report; a failed
+    check still saves and reports the model, then exits with 1."""
     from odeify.inspection.report import describe, format_report_table
 
     output = checked_output_file(args.output, "-o", args, model=True)
-    model, name, shape = _source_model(args)
-    native = _convert_source(args)
-    check = odeify.verify(native, model, shape).to_dict() if args.verify else None
-    requested = {k: v for k, v in _manifestation(args).items() if v != DEFAULTS[k]}
-    converted = odeify.retarget(native, **requested) if requested else native
+    model, name, _ = _source_model(args)
+    try:
+        converted = _convert_source(args, **_manifestation(args))
+    except VerificationError as failed:
+        converted = failed.converted
+    verification = converted.meta["odeify"]["verification"]
+    check = verification.to_dict() if verification is not None else None
     if output is not None:
         odeify.save(converted, output)
     report = describe(converted, name=name)
@@ -344,10 +350,12 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.code:
             print(_code_listing(converted))
     if check is not None:
-        _note(_verify_line(check, shape))
+        _note(_verify_line(check))
         inert = inert_scales(model)
         if inert:
             _note(_inert_note(inert, args))
+    elif args.verify:
+        _note(f"verify: skipped: {converted.meta['odeify']['verification_skipped_because']}")
     _note(
         f"wrote {output}" if output is not None else "not saved: pass -o FILE.safetensors to keep the model"
     )
@@ -360,10 +368,11 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_line(check: dict[str, Any], shape: tuple[int, ...]) -> str:
+def _verify_line(check: dict[str, Any]) -> str:
     verdict = "ok" if check["passed"] else "FAILED"
+    shape = "x".join(map(str, check["input_shape"]))
     return (
-        f"verify: native manifestation vs the source on a random {'x'.join(map(str, shape))} input (seed "
+        f"verify: native manifestation vs the source on a random {shape} input (seed "
         f"{VERIFY_SEED}): max relative error {check['relative_error']:.3g} "
         f"(max |diff| {check['max_abs_diff']:.3g}; "
         f"tolerance {check['tolerance']:.0e}): {verdict}"
