@@ -24,8 +24,9 @@ _EXPORTS = {
     "converted_stages": "odeify.compiler.conversion",
     "retarget": "odeify.compiler.conversion",
     "set_backward": "odeify.compiler.conversion",
-    "verify": "odeify.compiler.verification",
+    "verify": "odeify.compiler.conversion",
     "Verification": "odeify.compiler.verification",
+    "VerificationError": "odeify.compiler.verification",
     "ConfigError": "odeify.core.errors",
     "FallbackWarning": "odeify.core.errors",
     "ModelLoadError": "odeify.core.errors",
@@ -65,8 +66,9 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
     from odeify.compiler.conversion import converted_stages as converted_stages
     from odeify.compiler.conversion import retarget as retarget
     from odeify.compiler.conversion import set_backward as set_backward
+    from odeify.compiler.conversion import verify as verify
     from odeify.compiler.verification import Verification as Verification
-    from odeify.compiler.verification import verify as verify
+    from odeify.compiler.verification import VerificationError as VerificationError
     from odeify.core.errors import ConfigError as ConfigError
     from odeify.core.errors import FallbackWarning as FallbackWarning
     from odeify.core.errors import ModelLoadError as ModelLoadError

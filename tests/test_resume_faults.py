@@ -206,6 +206,14 @@ DAMAGE = {
         {"edit": _set("run", "cli", value="odeify finetune")},
         "cli settings must be an object",
     ),
+    "cli steps a float": (
+        {"edit": _set("run", "cli", value={"steps": 2.5})},
+        "its cli setting steps is 2.5, which the command line never records",
+    ),
+    "cli scale not a list": (
+        {"edit": _set("run", "cli", value={"scale": 0.5})},
+        "its cli setting scale is 0.5, which the command line never records",
+    ),
     "batch_size a string": (
         {"edit": _set("run", "recipe", "batch_size", value="16")},
         "batch_size must be int",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from odeify.cli import commands
+from odeify.cli import finetune_command
 from odeify.cli.parser import main
 from odeify.train.progress import BatchProgress, plural
 from odeify.train.recipe import DEFAULT_LR
@@ -139,7 +139,7 @@ def test_ctrl_c_in_finetune_says_how_to_resume(
     def interrupted(args):  # noqa: ANN001, ANN202
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(commands, "run_finetune", interrupted)
+    monkeypatch.setattr(finetune_command, "run_finetune", interrupted)
     assert main(["finetune", "--data", "digits", "--out", str(tmp_path / "r")]) == 130
     err = capsys.readouterr().err
     assert f"odeify finetune --resume --out {tmp_path / 'r'}" in err

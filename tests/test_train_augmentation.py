@@ -18,11 +18,11 @@ from test_datasets import image_folder
 from torch import nn
 
 import odeify
-from odeify.cli.commands import _augmentation
 from odeify.core.errors import ModelLoadError
 from odeify.models._testing import make_test_model
 from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS as AUGMENTATION_FLAGS
 from odeify.train.datasets import Augmentation, open_data, recorded_augmentation
+from odeify.train.run_settings import augmentation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,8 +73,8 @@ def test_saved_and_loaded_with_the_model(trained: tuple[Path, Path], tmp_path: P
 def test_command_line_flags_change_only_what_they_name(trained: tuple[Path, Path]) -> None:
     model = odeify.convert(str(trained[0]))
     settings = argparse.Namespace(**{**dict.fromkeys(AUGMENTATION_FLAGS), "hflip": 0.5})
-    assert _augmentation(settings, model) == Augmentation(scale=(0.5, 1.0), hflip=0.5)
-    assert _augmentation(argparse.Namespace(**dict.fromkeys(AUGMENTATION_FLAGS)), model) is None
+    assert augmentation(settings, model) == Augmentation(scale=(0.5, 1.0), hflip=0.5)
+    assert augmentation(argparse.Namespace(**dict.fromkeys(AUGMENTATION_FLAGS)), model) is None
 
 
 def test_the_log_says_which_settings_were_given_and_which_came_from_the_file(
@@ -83,7 +83,7 @@ def test_the_log_says_which_settings_were_given_and_which_came_from_the_file(
     path, folder = trained
     model = odeify.convert(str(path))
     settings = argparse.Namespace(**{**dict.fromkeys(AUGMENTATION_FLAGS), "hflip": 0.5})  # --hflip 0.5
-    said = open_data(folder, model, _augmentation(settings, model)).augmentation
+    said = open_data(folder, model, augmentation(settings, model)).augmentation
     recorded = Augmentation(scale=tuple(TRAIN_PY_AUGMENTATION["scale"])).describe()  # the file's --scale
     file = "as the source was trained (its file records train.py's settings)"
     assert said == f"as given: --hflip 0.5; {file}: {recorded}"  # was "as given: --scale 0.5 1 --hflip 0.5"

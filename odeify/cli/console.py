@@ -25,6 +25,16 @@ def stdout_is_data(args) -> bool:
     return bool(getattr(args, "json", False) or getattr(args, "code", False)) or args.command == "sweep"
 
 
+def tables(args):
+    """Where a command's tables go: stdout, or stderr when stdout carries data (:func:`stdout_is_data`)."""
+    return console_on(sys.stderr if stdout_is_data(args) else sys.stdout)
+
+
+def note(message: str) -> None:
+    """A line for the reader, beside the results: on stderr."""
+    print(message, file=sys.stderr)
+
+
 class _TqdmHandler(logging.Handler):
     """Writes each record with ``tqdm.write``, so that a progress bar on the terminal stays whole."""
 

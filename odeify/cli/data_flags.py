@@ -23,10 +23,7 @@ from odeify.core.errors import ConfigError
 from odeify.models.data_config import check_data_config
 from odeify.models.timm_interface import default_input_size
 
-__all__ = ["DATA_CONFIG_FLAGS", "apply_data_config", "check_size_flags", "flag_entries", "trace_size"]
-
-DATA_CONFIG_FLAGS = ("input_size", "img_size", "mean", "std", "interpolation", "crop_pct")
-"""The argparse names of the data-config flags (what a fine-tuning run records and resume restores)."""
+__all__ = ["apply_data_config", "check_size_flags", "flag_entries", "trace_size"]
 
 
 def check_size_flags(args: argparse.Namespace) -> None:

@@ -1,9 +1,10 @@
 """The ``odeify`` command: convert, retarget, inspect, fine-tune, evaluate, sweep, plot, demo.
 
 This module only parses arguments (it imports neither torch nor timm, so ``odeify --help`` and
-``odeify list`` answer at once); :mod:`odeify.cli.commands` runs each command. Every user mistake
-odeify can name ends with exit code 2 and one paragraph on stderr, never a traceback; ``--json``
-and ``--code`` put only their output on stdout (tables go to stderr), so scripts can parse it.
+``odeify list`` answer at once); :mod:`odeify.cli.commands` and :mod:`odeify.cli.finetune_command`
+run the commands. Every user mistake odeify can name ends with exit code 2 and one paragraph on
+stderr, never a traceback; ``--json`` and ``--code`` put only their output on stdout (tables go to
+stderr), so scripts can parse it.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ HANDLERS = {
     "convert": ("odeify.cli.commands", "run_convert"),
     "retarget": ("odeify.cli.commands", "run_retarget"),
     "calibrate": ("odeify.cli.commands", "run_calibrate"),
-    "finetune": ("odeify.cli.commands", "run_finetune"),
+    "finetune": ("odeify.cli.finetune_command", "run_finetune"),
     "eval": ("odeify.cli.commands", "run_eval"),
     "sweep": ("odeify.cli.commands", "run_sweep"),
     "plot": ("odeify.cli.commands", "run_plot"),

@@ -1,8 +1,11 @@
-"""``convert``, ``retarget`` and ``set_backward``: the public rewrite from a residual network to ODE stages.
+"""``convert``, ``retarget``, ``set_backward`` and ``verify``: the public rewrite from a residual
+network to ODE stages, and its check.
 
-Each checks its arguments where they enter, then runs one pipeline of :mod:`odeify.compiler.pipelines`:
-``convert`` runs CONVERT on a copy of the source, ``retarget`` REMANIFEST on a copy of the converted
-model, ``set_backward`` REMANIFEST on the model itself (its parameters stay the same objects).
+Each checks its arguments where they enter, then runs pipelines of :mod:`odeify.compiler.pipelines`:
+``convert`` runs CONVERT at the native manifestation on a copy of the source, measures it against the
+source (:mod:`odeify.compiler.verification`) and runs REMANIFEST for the requested manifestation;
+``retarget`` runs REMANIFEST on a copy of the converted model, ``set_backward`` on the model itself
+(its parameters stay the same objects).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from torch import nn
 from odeify.compiler.analysis import input_shape_for, resolve_model, validate_leaf_modules
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT, REMANIFEST
+from odeify.compiler.record import META
+from odeify.compiler.verification import NotOneTensor, Verification, VerificationError, measure
 from odeify.core.errors import ConfigError
 from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, StageRequest, parse_steps, validate_backward
 from odeify.numerics.bases import get_basis
@@ -25,7 +30,15 @@ from odeify.passes.manifest import check_manifestation
 from odeify.passes.segments import has_segments
 from odeify.runtime.stage import ODEStage
 
-__all__ = ["check_converted", "check_materialized", "convert", "converted_stages", "retarget", "set_backward"]
+__all__ = [
+    "check_converted",
+    "check_materialized",
+    "convert",
+    "converted_stages",
+    "retarget",
+    "set_backward",
+    "verify",
+]
 
 StepsSpec = int | str | Mapping[str, int | str]
 IntegratorSpec = str | Mapping[str, str]
@@ -43,6 +56,7 @@ def convert(
     backward: str = DEFAULTS["backward"],
     *,
     leaf_modules: Sequence[type[nn.Module]] = (),
+    verify: bool = True,
     **load_kwargs,
 ) -> fx.GraphModule:
     """Compile a residual network into a GraphModule whose runs are ODE stages.
@@ -55,6 +69,13 @@ def convert(
     one for the whole model or a dict {stage name: value} (say ``{"layer3": "alf"}`` beside
     ``backward={"layer3": "reversible"}``); a stage a dict leaves out gets the default. With the
     defaults the result reproduces the model exactly.
+
+    ``verify``: the native conversion (the defaults) is run against the source on one seeded input
+    before the requested manifestation is applied; the measured
+    :class:`~odeify.compiler.verification.Verification` is ``result.meta["odeify"]["verification"]``
+    (None when skipped, with the reason in ``["verification_skipped_because"]``: ``verify=False``, or
+    an output that is not one tensor). Past the tolerance it raises
+    :class:`~odeify.compiler.verification.VerificationError`, an odeify bug to report.
     """
     _check_values(integrator, resolve_integrator)  # fail fast on bad settings, before any tracing work
     get_basis(basis)
@@ -75,21 +96,53 @@ def convert(
     module, name = resolve_model(model, **load_kwargs)
     if not isinstance(model, nn.Module):
         training = module.training
-    settings = _settings(
-        {"integrator": integrator, "basis": basis, "steps": steps, "knots": knots, "backward": backward},
-        fill=True,
-    )
+    requested = dict(integrator=integrator, basis=basis, steps=steps, knots=knots, backward=backward)
+    shape = input_shape_for(module, input_size)
     job = Job(
         source=copy.deepcopy(module).eval(),
         name=name,
-        input_shape=input_shape_for(module, input_size),
+        input_shape=shape,
         leaf_modules=leaf_modules,
-        settings_for=settings,
-        whole_model=_whole_model(backward, False),
+        settings_for=_settings(DEFAULTS, fill=True),
     )
     with torch.no_grad():
         gm = CONVERT.run(job).gm
-    return guard_input_dtype(gm).train(training)
+        check = _record_verification(gm, module, shape) if verify else _record_skipped(gm, "verify=False")
+        if requested != DEFAULTS:
+            settings = _settings(requested, fill=True)
+            job = Job(gm=gm, settings_for=settings, whole_model=_whole_model(backward, False))
+            gm = REMANIFEST.run(job).gm
+    gm = guard_input_dtype(gm).train(training)
+    if check is not None and not check.passed:
+        raise VerificationError(check, gm)
+    return gm
+
+
+def _record_verification(
+    gm: fx.GraphModule, source: nn.Module, shape: tuple[int, ...]
+) -> Verification | None:
+    """Measure the native ``gm`` against ``source`` and record the result on it (None: skipped)."""
+    try:
+        check = measure(gm, source, shape)
+    except NotOneTensor as exc:
+        return _record_skipped(gm, exc.reason)
+    gm.meta[META].update(verification=check, verification_skipped_because=None)
+    return check
+
+
+def _record_skipped(gm: fx.GraphModule, reason: str) -> None:
+    gm.meta[META].update(verification=None, verification_skipped_because=reason)
+
+
+def verify(converted: nn.Module, source: nn.Module, input_size: Sequence[int] | None = None) -> Verification:
+    """Compare ``converted`` (at its own manifestation; native depth reproduces the source) with
+    ``source`` on one random input of ``input_size`` (C, H, W; default: the size the model was
+    converted at), seeded with :data:`~odeify.compiler.verification.VERIFY_SEED`. Both run in eval
+    mode; neither is changed. Raises ConfigError when an output is not one tensor."""
+    check_converted(converted, "verify")
+    traced = converted.meta.get(META, {}).get("input_shape")
+    shape = tuple(traced) if input_size is None and traced else input_shape_for(source, input_size)
+    return measure(converted, source, shape)
 
 
 def retarget(

@@ -2,7 +2,8 @@
 
 ``gm.meta[META]`` holds the source architecture (a timm or odeify name and build kwargs, or why
 none is known), dtype, display name, input shape, original parameter count and the runs not lifted
-and why. ``odeify.serialization.file_recipe`` writes a saved file's recipe from it.
+and why; ``odeify.convert`` adds its check of the native conversion (``verification``, or None and
+``verification_skipped_because``). ``odeify.serialization.file_recipe`` writes a saved file's recipe from it.
 """
 
 from __future__ import annotations

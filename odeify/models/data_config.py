@@ -20,6 +20,7 @@ from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.core.limits import MAX_DATA_CONFIG_BYTES, MAX_IN_CHANS, MAX_NUM_CLASSES, MAX_SIDE
 
 __all__ = [
+    "DATA_CONFIG_FLAGS",
     "DATA_CONFIG_KEYS",
     "INTERPOLATIONS",
     "TRAIN_ARGS_KEYS",
@@ -114,6 +115,8 @@ TRAIN_AUGMENTATION_KEYS = tuple(_AUGMENTATION_CHECKS)
 """timm train.py's training-augmentation settings (its ``args`` names, which are
 ``odeify.train.datasets.Augmentation``'s fields): a file that records them says how the source
 network was trained, and fine-tuning augments the same way unless told otherwise."""
+DATA_CONFIG_FLAGS = ("input_size", "img_size", "mean", "std", "interpolation", "crop_pct")
+"""The argparse names of timm's data-config flags (what a fine-tuning run records and resume restores)."""
 
 
 def _train_augmentation(v: object) -> bool:

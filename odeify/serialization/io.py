@@ -54,7 +54,7 @@ from odeify.serialization.file_schema import RecipeError, parse_recipe, validate
 from odeify.serialization.probe import PROBE_PREFIX, check_probe, record_probe
 from odeify.serialization.records import check_fold_records
 
-__all__ = ["RECIPE_KEY", "load", "save"]
+__all__ = ["RECIPE_KEY", "is_converted_file", "load", "save"]
 
 RECIPE_KEY = "odeify_converted"  # safetensors metadata key of the recipe (JSON)
 MAX_BUILD_RATIO = 64  # a file may name an architecture with at most this many times its own elements
@@ -179,6 +179,17 @@ def load(
             stacklevel=2,
         )
     return converted.eval()
+
+
+def is_converted_file(path: str | os.PathLike[str]) -> bool:
+    """True for a file written by :func:`save` (it carries odeify's recipe in its metadata)."""
+    path = Path(path)
+    if not path.is_file() or path.suffix != MODEL_SUFFIX:
+        return False
+    try:
+        return RECIPE_KEY in read_header(path, OdeifyError, "a safetensors file").metadata
+    except OdeifyError:  # not a readable safetensors file: loading it as a model says what is wrong
+        return False
 
 
 def _check_probe_present(recipe: Recipe, path: Path, verify: bool) -> None:

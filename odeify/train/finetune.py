@@ -210,19 +210,9 @@ def finetune(
         recipe = _match_classes(model, data, recipe, seed)
         teacher, recipe = _teacher(model, recipe, teacher)
         started_from = run_fingerprint(model, teacher, data) if folder is not None else {}
-        run = {
-            "recipe": asdict(recipe),
-            "refine_at": refine_epochs,
-            "seed": seed,
-            "max_batches": max_batches,
-            "world_size": procs.world_size,
-            **(run_info or {}),
-        }
+        run = _run_record(recipe, refine_epochs, seed, max_batches, procs, run_info)
         loader, val_loader, batches = _loaders(data, recipe, seed, procs, workers, max_batches)
-        if procs.is_main:
-            LOGGER.info(header(model, procs))
-            if data.augmentation != "none":
-                LOGGER.info(f"training augmentation: {data.augmentation}")
+        _log_start(model, data, procs)
         model = model.to(procs.device)
         if calibrate_first and not resume:
             _calibrate_in_place(model, data, seed, procs)
@@ -233,11 +223,7 @@ def finetune(
             history = _begin(trainer, val_loader, folder)
         for epoch in range(len(history), recipe.epochs + 1):
             if epoch in refine_epochs:
-                before = stage_shape(trainer.model)
-                kept = trainer.replace_model(refine(trainer.model))
-                if procs.is_main:
-                    optimizer = type(trainer.optimizer).__name__
-                    LOGGER.info(refine_message(epoch, before, stage_shape(trainer.model), kept, optimizer))
+                _refine(trainer, epoch)
             reseed(seed, epoch, procs.rank)
             loader.sampler.set_epoch(epoch)
             record = trainer.train_epoch(loader, batches, epoch, progress and procs.is_main, log_interval)
@@ -245,19 +231,52 @@ def finetune(
             history.append(record)
             if folder is not None:
                 trainer.save(folder, epoch, history, run, started_from)
-            if procs.is_main:
-                LOGGER.info(
-                    epoch_line(
-                        record,
-                        recipe.epochs,
-                        max(h.val_accuracy for h in history[:-1]),
-                        folder,
-                        loss_name(recipe, teacher is not None),
-                    )
-                )
+            _log_epoch(trainer, history, folder)
         if procs.is_main:
             LOGGER.info(run_summary(history, folder))
     return FineTuneResult(trainer.output, history)
+
+
+def _run_record(
+    recipe: Recipe, refine_epochs: list[int], seed: int, max_batches: int | None, procs: Processes,
+    run_info: Mapping[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The run's settings as recorded with its state, which a resume must match."""
+    return {
+        "recipe": asdict(recipe),
+        "refine_at": refine_epochs,
+        "seed": seed,
+        "max_batches": max_batches,
+        "world_size": procs.world_size,
+        **(run_info or {}),
+    }
+
+
+def _log_start(model: fx.GraphModule, data: LabelledData, procs: Processes) -> None:
+    """The run's first lines (on rank 0): the model, the processes and the training augmentation."""
+    if not procs.is_main:
+        return
+    LOGGER.info(header(model, procs))
+    if data.augmentation != "none":
+        LOGGER.info(f"training augmentation: {data.augmentation}")
+
+
+def _refine(trainer: Trainer, epoch: int) -> None:
+    """Double every stage's knots and steps at the start of ``epoch``, and say so."""
+    before = stage_shape(trainer.model)
+    kept = trainer.replace_model(refine(trainer.model))
+    if trainer.procs.is_main:
+        optimizer = type(trainer.optimizer).__name__
+        LOGGER.info(refine_message(epoch, before, stage_shape(trainer.model), kept, optimizer))
+
+
+def _log_epoch(trainer: Trainer, history: list[EpochRecord], folder: Path | None) -> None:
+    """The line (on rank 0) of the epoch just trained, the last of ``history``, against the best before it."""
+    if not trainer.procs.is_main:
+        return
+    recipe, best_before = trainer.recipe, max(h.val_accuracy for h in history[:-1])
+    loss = loss_name(recipe, trainer.teacher is not None)
+    LOGGER.info(epoch_line(history[-1], recipe.epochs, best_before, folder, loss))
 
 
 def _calibrate_in_place(model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes) -> None:

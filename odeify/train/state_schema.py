@@ -2,9 +2,10 @@
 
 ``--resume`` reads a training state written after an epoch; a damaged or altered one must end in
 one clear error, not a traceback from deep inside the optimizer. :func:`validate_record` checks the
-JSON record (version, epoch, step, history, the run's settings, the optimizer's groups and scalars)
-and :func:`check_tensors` the tensors against the model and optimizer they are about to be loaded
-into (names, shapes, dtypes). Each error names the field and what it holds.
+JSON record (version, epoch, step, history, the run's settings with the command line's in
+:data:`RECORDED`, the optimizer's groups and scalars) and :func:`check_tensors` the tensors against
+the model and optimizer they are about to be loaded into (names, shapes, dtypes). Each error names
+the field and what it holds.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from torch import nn
 
 from odeify.core.errors import ConfigError
 from odeify.core.limits import MAX_EPOCHS
+from odeify.models.data_config import DATA_CONFIG_FLAGS, TRAIN_AUGMENTATION_KEYS
 from odeify.train.recipe import Recipe
 
-__all__ = ["StateError", "check_tensors", "validate_record", "validate_tensor_names"]
+__all__ = ["RECORDED", "StateError", "check_tensors", "validate_record", "validate_tensor_names"]
 
 STATE_VERSION = 1
 _RECORD_KEYS = ("epoch", "step", "history", "run", "param_groups", "optimizer_scalars")
@@ -48,6 +50,25 @@ _PER_PARAMETER = {
     "acc_delta",
     "sum",
 }
+
+
+RECORDED = (
+    "model", "data", "integrator", "steps", "knots", "basis", "backward", "arch", "num_classes",
+    "checkpoint", "model_kwargs", "pretrained", "ema", *DATA_CONFIG_FLAGS, "leaf", "deterministic", "teacher",
+    "log_interval",
+    *TRAIN_AUGMENTATION_KEYS,  # timm train.py's names, argparse dests and Augmentation fields
+)  # fmt: skip
+"""The command-line settings ``odeify finetune`` records with a run (``run["cli"]``, argparse dests)."""
+_RECORDED_TYPES: dict[str, tuple[type, ...]] = {
+    "steps": (str, int), "knots": (str, int), "num_classes": (int,), "pretrained": (bool,), "ema": (bool,),
+    "deterministic": (bool,), "log_interval": (int,), "input_size": (int,), "leaf": (str,),
+    "img_size": (int,),
+    "mean": (float,), "std": (float,), "crop_pct": (float,), "no_aug": (bool,), "scale": (float,),
+    "ratio": (float,), "hflip": (float,), "vflip": (float,), "color_jitter": (float,), "reprob": (float,),
+}  # fmt: skip
+"""The types of the recorded command-line settings that are not strings (what argparse produced; of
+the items of the lists in _RECORDED_LISTS)."""
+_RECORDED_LISTS = ("input_size", "leaf", "mean", "std", "scale", "ratio", "model_kwargs")
 
 
 class StateError(ConfigError):
@@ -153,7 +174,25 @@ def _run(run: object, epoch: int) -> None:
     )
     _expect(_is_int(run["world_size"], 1, 2**20), "its world_size must be a positive integer")  # type: ignore[index]
     if "cli" in run:  # type: ignore[operator]
-        _expect(isinstance(run["cli"], dict), "its cli settings must be an object")  # type: ignore[index]
+        _cli(run["cli"])  # type: ignore[index]
+
+
+def _cli(recorded: object) -> None:
+    """The recorded command-line settings: each of :data:`RECORDED` null or of the type argparse gives."""
+    _expect(isinstance(recorded, dict), "its cli settings must be an object")
+    for key in RECORDED:
+        value = recorded.get(key)  # type: ignore[union-attr]
+        _expect(
+            value is None or _recorded_ok(key, value),
+            f"its cli setting {key} is {value!r:.60}, which the command line never records",
+        )
+
+
+def _recorded_ok(key: str, value: object) -> bool:
+    kinds = _RECORDED_TYPES.get(key, (str,))
+    if key in _RECORDED_LISTS:
+        return isinstance(value, list) and all(type(v) in kinds for v in value)
+    return type(value) in kinds
 
 
 def _recipe(recipe: object, epoch: int) -> None:

@@ -1,0 +1,110 @@
+"""A fine-tuning run from the command line's settings: what ``odeify finetune`` does once parsed.
+
+The settings are an ``argparse.Namespace`` whose names are the flags' dests. :func:`with_recorded`
+fills a resumed run's settings from its record (the record was checked on reading:
+:mod:`odeify.train.state_schema`, which lists the recorded settings as ``RECORDED``);
+:func:`recipe_from` makes the recipe (given, else recorded, else default); :func:`finetune_with`
+builds the manifestation to train and runs :func:`odeify.train.finetune.finetune`, recording the
+settings with the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch.fx as fx
+from torch import nn
+
+from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
+from odeify.train.datasets import Augmentation, open_data, recorded_augmentation
+from odeify.train.distributed import Processes
+from odeify.train.finetune import FineTuneResult, finetune
+from odeify.train.manifestations import for_training
+from odeify.train.progress import DEFAULT_LOG_INTERVAL
+from odeify.train.recipe import DEFAULT_RECIPE, Recipe
+from odeify.train.state_schema import RECORDED
+
+__all__ = ["RECIPE_FLAGS", "augmentation", "finetune_with", "recipe_from", "with_recorded"]
+
+RECIPE_FLAGS = (
+    "epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay", "optimizer", "label_smoothing",
+    "clip_grad_norm", "amp", "channels_last", "mixup", "cutmix", "warmup", "opt_eps",
+)  # fmt: skip
+"""The command-line settings that are Recipe fields (argparse dests named as the fields)."""
+_TRAINED_MANIFESTATION = ("integrator", "steps", "knots", "basis")
+"""The settings :func:`~odeify.train.manifestations.for_training` retargets by (backward apart)."""
+
+
+def with_recorded(settings: argparse.Namespace, run: dict) -> argparse.Namespace:
+    """A copy of ``settings`` with every one not given taken from the recorded ``run`` (as
+    :func:`~odeify.train.state.read_run` returns it, checked); the given ones must match later."""
+    merged = argparse.Namespace(**vars(settings))
+    recorded = run.get("cli", {})
+    for key in RECORDED:
+        value = getattr(merged, key, None)
+        if (value is None or value is False or value == []) and recorded.get(key) is not None:
+            setattr(merged, key, recorded[key])
+    recipe = run.get("recipe", {})
+    for key in RECIPE_FLAGS:
+        if getattr(merged, key) is None:
+            setattr(merged, key, recipe.get(key))
+    for key in ("refine_at", "seed", "max_batches"):
+        if getattr(merged, key) is None:
+            setattr(merged, key, run.get(key))
+    return merged
+
+
+def recipe_from(settings: argparse.Namespace, run: dict) -> Recipe:
+    """The recipe: each field as given, else as ``run`` recorded it, else the default's
+    (``clip_grad_norm`` 0 is --clip-grad none)."""
+    given = {k: getattr(settings, k) for k in RECIPE_FLAGS if getattr(settings, k) is not None}
+    if given.get("clip_grad_norm") == 0:
+        given["clip_grad_norm"] = None
+    names = {f.name for f in fields(DEFAULT_RECIPE)}
+    recorded = {k: v for k, v in run.get("recipe", {}).items() if k in names}
+    return replace(replace(DEFAULT_RECIPE, **recorded), **given)
+
+
+def augmentation(settings: argparse.Namespace, model: nn.Module) -> Augmentation | None:
+    """The training augmentation the settings ask for, or None (open_data's default) when none is given.
+
+    A setting not given is the one the model's file recorded for its source (train.py's ``args``),
+    else timm's default."""
+    given = {k: getattr(settings, k) for k in TRAIN_AUGMENTATION_KEYS if getattr(settings, k) is not None}
+    if not given:
+        return None
+    for key in ("scale", "ratio"):
+        if key in given:
+            given[key] = tuple(given[key])
+    return Augmentation(**{**recorded_augmentation(model), **given})
+
+
+def finetune_with(
+    loaded: fx.GraphModule, settings: argparse.Namespace, recipe: Recipe, out: Path, processes: Processes
+) -> FineTuneResult:
+    """``loaded`` in the manifestation ``settings`` ask for, fine-tuned on their data with ``recipe``
+    into ``out``; the settings of :data:`~odeify.train.state_schema.RECORDED` are recorded with the run."""
+    manifestation = {
+        k: getattr(settings, k) for k in _TRAINED_MANIFESTATION if getattr(settings, k) is not None
+    }
+    exact = recipe.amp is None and (processes.device.type == "cpu" or bool(settings.deterministic))
+    model = for_training(loaded, settings.backward, rebuilds_exactly=exact, **manifestation)
+    return finetune(
+        model,
+        open_data(settings.data, model, augmentation(settings, model)),
+        recipe,
+        out=out,
+        resume=settings.resume,
+        refine_at=settings.refine_at or [],
+        seed=0 if settings.seed is None else settings.seed,
+        max_batches=settings.max_batches,
+        workers=settings.workers,
+        processes=processes,
+        teacher=settings.teacher,
+        run_info={"cli": {k: getattr(settings, k) for k in RECORDED}},
+        deterministic=settings.deterministic,
+        log_interval=settings.log_interval or DEFAULT_LOG_INTERVAL,
+        calibrate_first=settings.calibrate,
+    )
