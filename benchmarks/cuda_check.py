@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from machine import command_line, write_results  # noqa: E402
 from tables import markdown_table  # noqa: E402
-from train_step import CLASSES, ROWS, SIZE, VIT, build, relative_error  # noqa: E402
+from train_step import CLASSES, MODEL_CHOICES, ROWS, SIZE, VIT, build, relative_error  # noqa: E402
 
 import odeify  # noqa: E402
 
@@ -45,8 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 EXACT_MODELS = ["resnet50", "resnet152"]
 EXACT_ROWS = ["odeify reversible", "odeify reversible ALF"]
 RESNET_ROWS = ["timm", "timm + grad checkpointing", "odeify checkpoint", *EXACT_ROWS]
-SPLIT_ROWS = ["timm", "timm + grad checkpointing", "odeify checkpoint"]
-RATIO_RUNS = [("resnet50", "native"), ("resnet50", "x4"), ("resnet152", "native"), (VIT, "native")]
+RATIO_RUNS = ["resnet50:native", "resnet50:x4", "resnet152:native", f"{VIT}:native"]
 EXACT_HEADERS = (
     "model",
     "row",
@@ -117,7 +116,7 @@ def exactness_row(model_name: str, row: str, steps: str, deterministic: bool, ba
 def ratio_rows(model_name: str, steps: str, rounds: int, batch: int, device) -> list[tuple]:
     """Interleaved steps of every row of one model: wall-time and peak-memory ratios to timm plain."""
     set_kernels(False)
-    names = SPLIT_ROWS if model_name == VIT else RESNET_ROWS
+    names = RESNET_ROWS
     models = {row: build(model_name, ROWS[row], steps, "trained-like").to(device) for row in names}
     x, labels = inputs(batch, device)
 
@@ -178,6 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exact-batch", type=int, default=8, help="batch of the exactness part")
     parser.add_argument("--batch", type=int, default=64, help="batch of the speed and memory part")
     parser.add_argument("--rounds", type=int, default=10, help="rounds: every row steps once per round")
+    parser.add_argument(
+        "--exact-models",
+        nargs="*",
+        choices=MODEL_CHOICES,
+        default=EXACT_MODELS,
+        help="models checked",
+    )
+    parser.add_argument(
+        "--ratio-runs",
+        nargs="*",
+        default=RATIO_RUNS,
+        metavar="MODEL:STEPS",
+        help="models timed",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "cuda_check.md", help="Markdown record")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -226,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     torch.backends.cudnn.allow_tf32 = False
     for deterministic in (True, False):
-        for model_name in EXACT_MODELS:
+        for model_name in args.exact_models:
             for row in EXACT_ROWS:
                 for steps in ("native", "x4"):
                     what = f"exactness {model_name} {row} {steps} {'det' if deterministic else 'default'}"
@@ -240,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {what} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
         write()
     torch.backends.cudnn.allow_tf32 = tf32_convolutions
-    for model_name, steps in RATIO_RUNS:
+    for model_name, _, steps in (run.partition(":") for run in args.ratio_runs):
         what = f"ratios {model_name} {steps}"
         ratios += guarded(
             what, lambda m=model_name, s=steps: ratio_rows(m, s, args.rounds, args.batch, device), failures
