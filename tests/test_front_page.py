@@ -78,3 +78,13 @@ def test_readme_renders_its_picture_outside_the_table() -> None:
     assert "<img" in "".join(
         re.findall(r"<table>.*?</table>", _rendered("| a |\n|---|\n| b |\n![p](p.png)"), re.S)
     )
+
+
+def test_every_results_file_is_indexed() -> None:
+    """benchmarks/results/README.md is the index of the measurements: no results file goes unlisted."""
+    results = ROOT / "benchmarks" / "results"
+    index = (results / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([^)#]+)\)", index))
+    files = {p.name for p in results.iterdir() if p.suffix in (".md", ".png") and p.name != "README.md"}
+    assert {f for f in files if f.endswith(".md")} - linked == set(), "results files not in the index"
+    assert {name for name in linked if not name.startswith("../")} <= files, "the index links a missing file"
