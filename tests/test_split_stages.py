@@ -337,6 +337,24 @@ def test_refusals_name_the_working_alternative(converted, test_model) -> None:
         odeify.retarget(resnet, integrator="strang")
 
 
+@pytest.mark.parametrize("draw", [torch.randn_like, torch.nn.functional.dropout], ids=["randn", "dropout"])
+def test_glue_that_draws_random_numbers_is_refused_under_reversible(converted, draw) -> None:
+    """Glue between a sub-field's sub-blocks is re-run in backward without the sub-blocks' replay of
+    their draws: under backward='reversible' a glue node that may draw random numbers is refused,
+    naming checkpoint; the same stage without it is accepted (the oracle that the check can pass)."""
+    stage = _stage(converted).standalone()
+    stage.configure(integrator="alf", backward="reversible")  # accepted as converted
+    stage.configure(backward="checkpoint")
+    template = stage.field_templates[0]
+    first = next(n for n in template.graph.nodes if n.op == "placeholder")
+    with template.graph.inserting_after(first):
+        template.graph.create_node("call_function", draw, (first,), name="glue_noise")
+    template.recompile()
+    with pytest.raises(ConfigError, match=r"F_1 holds glue 'glue_noise'.*backward='checkpoint'"):
+        stage.configure(backward="reversible")
+    stage.configure(backward="checkpoint")  # the working alternative stays open
+
+
 # --- the full vit_tiny (issue 23's acceptance) -------------------------------------------------------
 
 FULL_INPUT = (1, 3, 64, 64)  # vit_tiny_patch16_224 at img_size 64: 16 patches and the class token
