@@ -101,7 +101,7 @@ def _tour(out: Path, epochs: int | None) -> Path:
     steps = [
         ("conversion check", lambda: _conversion(source, native, test, out)),
         ("sweep", lambda: _sweep(native, test, out)),
-        ("fine-tuning", lambda: _finetune(native, data, recipe, out)),
+        ("fine-tuning", lambda: _finetune(native, data, test, recipe, out)),
         ("memory", lambda: _memory(native, data, out)),
     ]
     with tqdm(steps, desc="demo", unit="part", disable=not bar_wanted()) as bar:
@@ -169,8 +169,9 @@ def _sweep(native: torch.nn.Module, test: DataLoader, out: Path) -> list[str]:
     ]
 
 
-def _finetune(native: torch.nn.Module, data, recipe, out: Path) -> list[str]:
+def _finetune(native: torch.nn.Module, data, test: DataLoader, recipe, out: Path) -> list[str]:
     coarse = odeify.retarget(native, **COARSE)
+    retargeted = evaluate(coarse, test).accuracy  # finetune calibrates first: the start it improves
     recipe = recipe_for(coarse, recipe)  # the peak finetune trains it at, for the report
     run, previous = out / "finetune", out / "finetune.previous"
     for folder in (run, previous):
@@ -215,7 +216,10 @@ def _finetune(native: torch.nn.Module, data, recipe, out: Path) -> list[str]:
         f"{recipe.optimizer}, lr {recipe.lr:g}, {recipe.warmup:.0%} warm-up then cosine, weight decay "
         f"{recipe.weight_decay:g}, {recipe.epochs} epochs of batch {recipe.batch_size}, distilling from "
         "the converted model at native depth, i.e. the source network; docs/finetuning.md has the "
-        f"measurements behind it). Checkpoints: `{out / 'finetune'}/` (try `odeify eval "
+        "measurements behind it), after fitting the coarse stages to the source on the training images "
+        f"(`odeify.calibrate`, which `finetune` runs first on a coarse model): {100 * retargeted:.2f}% as "
+        f"retargeted, {100 * history[0].val_accuracy:.2f}% calibrated (epoch 0). "
+        f"Checkpoints: `{out / 'finetune'}/` (try `odeify eval "
         f"{out / 'finetune' / 'best.safetensors'} --data digits`).",
         "",
         *markdown_table(("epoch", "train loss", "test accuracy %", "seconds"), rows, text_columns=1),
