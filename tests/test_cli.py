@@ -629,8 +629,9 @@ def test_a_failed_demo_run_leaves_the_last_one(tmp_path: Path, monkeypatch) -> N
 
     monkeypatch.setattr(demo, "finetune", killed)
     native = odeify.convert(str(DEFAULT_MODEL_PATH))
+    test = [next(iter(demo.DataLoader(demo.open_data("digits", native).val, batch_size=8)))]
     with pytest.raises(RuntimeError, match="killed"):
-        demo._finetune(native, None, demo.DEFAULT_RECIPE, tmp_path)
+        demo._finetune(native, None, test, demo.DEFAULT_RECIPE, tmp_path)
     assert (run / "best.safetensors").read_bytes() == b"the last run"
     assert not (tmp_path / "finetune.previous").exists()
 
