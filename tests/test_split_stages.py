@@ -416,3 +416,20 @@ def test_fine_tuning_defaults_know_the_reversible_splittings(converted) -> None:
     }
     assert default_lr([SPLITTINGS["lie_trotter_alf"]]) == ALF_LR
     assert default_lr([SPLITTINGS["strang_reversible_heun"]]) == DEFAULT_LR
+
+
+def test_default_lr_knows_alf_by_its_class_not_its_name() -> None:
+    """ALF's peak goes to ALF with either start (v_0 = F(t_0, z_0) is named 'alf_field_start', so a
+    check of ``name == 'alf'`` would miss it) and to splittings of ALF sub-steps; nothing else gets it."""
+    from odeify.numerics.schemes import AsyncLeapfrog
+    from odeify.numerics.splitting import SPLITTINGS
+    from odeify.numerics.tableaus import resolve_integrator
+    from odeify.train.recipe import ALF_LR, DEFAULT_LR, default_lr
+
+    assert AsyncLeapfrog("field").name == "alf_field_start"
+    for alf in (resolve_integrator("alf"), AsyncLeapfrog("field"), SPLITTINGS["strang_alf"]):
+        assert default_lr([alf]) == ALF_LR
+        assert default_lr([resolve_integrator("euler"), alf]) == ALF_LR  # one ALF stage is enough
+    for other in ("euler", "rk4", "reversible_heun", "strang", "lie_trotter_reversible_heun"):
+        assert default_lr([resolve_integrator(other)]) == DEFAULT_LR
+    assert default_lr([]) == DEFAULT_LR
