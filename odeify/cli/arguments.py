@@ -54,14 +54,17 @@ def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_confi
     )
 
 
-def verify_argument(parser: argparse.ArgumentParser) -> None:
-    """--no-verify: load a converted file that its probe cannot check (``odeify.load(verify=False)``)."""
+def verify_argument(parser: argparse.ArgumentParser, *, converts: bool = False) -> None:
+    """--no-verify: load a converted file that its probe cannot check (``odeify.load(verify=False)``);
+    with ``converts`` (commands that also take a MODEL to convert), skip that conversion's check too."""
+    conversion = "; for a MODEL converted here, skip checking the conversion against its source"
     parser.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
         help="load a converted file without running its probe (one saved by an older odeify, which "
-        "has none or checks less), for a file you trust: nothing then shows it computes what was saved",
+        "has none or checks less), for a file you trust: nothing then shows it computes what was saved"
+        + (conversion if converts else ""),
     )
 
 

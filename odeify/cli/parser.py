@@ -220,7 +220,7 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
         "is integrated. Tables go to stderr when --code or --json write to stdout.",
     )
     arg.model_arguments(inspect, "MODEL|CONVERTED")
-    arg.verify_argument(inspect)
+    arg.verify_argument(inspect, converts=True)
     inspect.add_argument(
         "--code",
         action="store_true",
@@ -307,7 +307,7 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "The defaults are the recipe measured in docs/finetuning.md. Runs unchanged under torchrun.",
     )
     arg.model_arguments(finetune, "MODEL|CONVERTED", data_config=True)
-    arg.verify_argument(finetune)
+    arg.verify_argument(finetune, converts=True)
     arg.data_arguments(finetune, batch_size=None)
     arg.manifestation_arguments(finetune, defaults=False, finetuning=True)
     arg.augmentation_arguments(finetune)
@@ -436,7 +436,7 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
         "Evaluate MODEL|CONVERTED on the validation split (optionally in another manifestation, not saved).",
     )
     arg.model_arguments(evaluate, "MODEL|CONVERTED", data_config=True)
-    arg.verify_argument(evaluate)
+    arg.verify_argument(evaluate, converts=True)
     arg.data_arguments(evaluate)
     arg.manifestation_arguments(evaluate, defaults=False)
     evaluate.add_argument("--json", action="store_true", help="print the result as JSON (nothing else)")
@@ -451,7 +451,7 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         "each: a markdown table on stdout and a PNG of accuracy against field evaluations.",
     )
     arg.model_arguments(sweep, "MODEL|CONVERTED", data_config=True)
-    arg.verify_argument(sweep)
+    arg.verify_argument(sweep, converts=True)
     arg.data_arguments(sweep)
     sweep.add_argument(
         "--integrators",
@@ -490,7 +490,7 @@ def _add_plot(commands: argparse._SubParsersAction) -> None:
         "Each stage's knot tensors: their norm over depth t, the knots as dots and the basis curve between.",
     )
     arg.model_arguments(plot, "MODEL|CONVERTED")
-    arg.verify_argument(plot)
+    arg.verify_argument(plot, converts=True)
     plot.add_argument(
         "-o", "--output", metavar="FILE", default="weight_path.png", help="default: weight_path.png"
     )
