@@ -24,7 +24,18 @@ import torch
 import torch.nn.functional as F
 from machine import command_line, provenance, write_results
 from tables import markdown_table
-from train_step import BATCH, CLASSES, MODELS, ROWS, SIZE, STEPS, WEIGHTS, build, weights_phrase
+from train_step import (
+    BATCH,
+    CLASSES,
+    MODEL_CHOICES,
+    MODELS,
+    ROWS,
+    SIZE,
+    STEPS,
+    WEIGHTS,
+    build,
+    weights_phrase,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADERS = (
@@ -86,7 +97,9 @@ def _ratio(ratios: list[float]) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=MODELS, help="models to run")
+    parser.add_argument(
+        "--models", nargs="+", choices=MODEL_CHOICES, default=MODELS, help="models to run (a ViT, a Swin too)"
+    )
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="ways to train")
     parser.add_argument("--steps", choices=STEPS, default="native", help="the manifestation's steps")
     parser.add_argument("--rounds", type=int, default=5, help="rounds: every row steps once per round")
