@@ -149,7 +149,7 @@ def test_a_growing_parasitic_mode_is_caught(dtype) -> None:
     """ALF is stable only near the imaginary axis: on a decaying field its parasitic mode grows.
 
     With rate 24 over 16 steps each step multiplies it by 1.5 + sqrt(1 + 1.5^2) = 3.3 (2e8 in all),
-    past what the lattice's counts hold exactly (2^26 times the input for fp32, 2^8 for fp64): the
+    past what the lattice's counts hold exactly (2^24 times the input for fp32, 2^8 for fp64): the
     forward keeps its input instead, warns once (at the caller's line) and backward recomputes,
     exactly. The same stage at rate 0.1 stays on the lattice and rebuilds its start bit for bit.
     """

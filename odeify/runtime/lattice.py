@@ -6,7 +6,7 @@ a lattice: integer multiples of a power of two q, 2^-bits of each sample's large
 magnitude (rounded up to a power of two; bits from :func:`lattice_bits`), held as counts of q in
 float64, and every field increment is rounded to the lattice ([.]) before it is added. Sums of
 counts are exact in float64 while below 2^53 (registers are kept below :data:`EXACT_COUNTS`,
-2^(52 - bits) times the input's magnitude: 2^26 for fp32 inputs), so undoing an addition rebuilds
+2^(52 - bits) times the input's magnitude: 2^24 for fp32 inputs), so undoing an addition rebuilds
 its register bit for bit, provided the field returns the same bits for the same input: CPU
 kernels do; on GPU use deterministic kernels. The field runs in the input's dtype on the register
 rounded to it, so its Jacobians are the ones backprop uses; only the state arithmetic is finer
@@ -17,14 +17,14 @@ What the forward keeps of its final registers (:meth:`Lattice.pack`), at any dep
 - the output register rounded to the input's dtype, which the model keeps anyway (the next part
   of the model saves it; the Function saves the same storage, counted once);
 - its rounding residual in counts, in the narrowest integer type that holds it (int8 while the
-  stage grows its input by less than about 2^6 for fp32; nothing when the output is exact in the
+  stage grows its input by less than about 2^4 for fp32; nothing when the output is exact in the
   dtype, as in fp64);
 - every other register as int32 counts while they fit (else in 5 to 7 bytes a count, halved
   first where the scheme's ops keep it even): as its difference from the output (reversible
   Heun's z - y) or as itself (ALF's p = h/2 v), as the scheme says;
 - the spacing q per sample.
 
-For fp32 that is 1.25 states beside the output on the models measured (``benchmarks/
+For fp32 that was 1.25 states beside the output at 26 bits on the models measured (``benchmarks/
 lattice_range.py``), 1.75 where a stage outgrows its input by 2^13 (resnet152's layer3). A
 register past 2^52 counts, or not finite (a NaN or inf sample), cannot be kept exactly:
 :meth:`Lattice.pack` says why, and the caller falls back (:mod:`odeify.runtime.reversible`).
@@ -48,7 +48,7 @@ __all__ = ["EXACT_COUNTS", "Lattice", "half_step", "lattice_bits"]
 HEADROOM_BITS = 9
 """Float64 sums of counts stay exact up to 2^9 times the input's magnitude at least (fp64 inputs)."""
 
-FINER_BITS = 2
+FINER_BITS = 4
 """How much finer than the input dtype's precision the lattice is (see :func:`lattice_bits`)."""
 
 EXACT_COUNTS = 2.0**52
@@ -56,14 +56,19 @@ EXACT_COUNTS = 2.0**52
 
 
 def lattice_bits(dtype: torch.dtype) -> int:
-    """Lattice spacing 2^-bits relative to the input: 2^2 finer than the input dtype's precision.
+    """Lattice spacing 2^-bits relative to the input: 2^4 finer than the input dtype's precision.
 
-    26 bits for fp32 (float64 headroom 2^27), 10 for bfloat16; float64 inputs get
+    28 bits for fp32 (float64 headroom 2^25), 12 for bfloat16; float64 inputs get
     53 - HEADROOM_BITS = 44 bits, coarser than their own round-off, so in fp64 the lattice trades
-    2^-44 rounding for exactness. Measured on fp32 (digits stage, 256 steps, gradients against
-    float64 backprop): 26 bits err 6e-7 like fp32 backprop itself (5e-7); 24 bits erred 6e-4 (a
-    ReLU kink the coarser states landed on the other side of). Each bit more costs a bit of the
-    stored state (see the module docstring).
+    2^-44 rounding for exactness. The spacing is one per sample, relative to its largest value, so
+    the lattice is coarser than fp32 for a sample's small values: a ViT's token activations, whose
+    largest values stand far above the rest. Measured on fp32 gradients against float64 backprop
+    (vit_small_patch16_224, random weights, batch 4, 224x224, Lie-Trotter ALF, native steps):
+    26 bits erred 2.09e-6, 28 bits 1.16e-6, 30 bits 1.10e-6, fp32 backprop 1.13e-6; on the digits
+    stage (256 steps) 26 bits erred 6e-7 like fp32 backprop (5e-7), 24 bits 6e-4 (a ReLU kink the
+    coarser states landed on the other side of). Each bit more costs a bit of the stored state (see
+    the module docstring): 28 bits against 26 keep the same bytes on vit_small and resnet50
+    (trained-like weights), 4.6 MiB more of 111 on resnet152 (benchmarks/train_step.py's rows).
     """
     precision = 1 - round(math.log2(torch.finfo(dtype).eps))  # 24 for fp32
     return min(precision + FINER_BITS, 53 - HEADROOM_BITS)
@@ -113,7 +118,7 @@ class Lattice:
         # (an increment past the dtype's range, 2^102 times the stage input's largest value in fp32,
         # is inf here where float64 held it: a state the pack refuses either way, with the reason)
         self._narrow_increments = self._via_dtype and _is_power_of_two(half_step) and half_step <= 1
-        self._narrow_scales: dict[int, Tensor] = {}
+        self._narrow_scales: dict[int, Tensor | None] = {}
         self._scratch: Tensor | None = None  # the dtype-wide increment, reused
         self._spare: list[Tensor] = []
         self._points: dict[str, Tensor] = {}  # value()'s reused outputs, one per register
@@ -139,9 +144,12 @@ class Lattice:
         scale = self.increment_scale if not finer else self.increment_scale * 2.0**finer
         if not self._narrow_increments or field.dtype != self.dtype:
             return self.buffer(like).copy_(field).mul_(scale).round_()
-        narrow_scale = self._narrow_scales.get(finer)
+        if finer not in self._narrow_scales:  # None where 2^finer / q passes the dtype's range (tiny inputs)
+            narrow = scale.to(self.dtype)
+            self._narrow_scales[finer] = narrow if bool(torch.isfinite(narrow).all()) else None
+        narrow_scale = self._narrow_scales[finer]
         if narrow_scale is None:
-            narrow_scale = self._narrow_scales[finer] = scale.to(self.dtype)
+            return self.buffer(like).copy_(field).mul_(scale).round_()
         if self._scratch is None or self._scratch.shape != field.shape:
             self._scratch = torch.empty_like(field)
         narrow = torch.mul(field, narrow_scale, out=self._scratch).round_()
