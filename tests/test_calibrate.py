@@ -200,14 +200,19 @@ def test_command_line_calibrates_and_refuses_a_native_file(tmp_path: Path, capsy
     ]) == 0  # fmt: skip
     assert main([
         "calibrate", str(tmp_path / "one.safetensors"), "--data", "digits",
-        "-o", str(tmp_path / "b.safetensors"), "--calibrate-images", "16",
+        "-o", str(tmp_path / "b.safetensors"), "--calibrate-images", "16", "--calibrate-steps", "7",
     ]) == 0  # fmt: skip
-    assert "residual" in capsys.readouterr().err
-    expected, _ = calibrate(odeify.retarget(native, steps=1), "digits", images=16, progress=False)
+    assert "(7 steps" in capsys.readouterr().err
+    coarse = odeify.retarget(native, steps=1)
+    expected = {
+        "a": calibrate(coarse, "digits", images=16, progress=False)[0],
+        "b": calibrate(coarse, "digits", images=16, iterations=7, progress=False)[0],
+    }
     x = open_data("digits", native).val.tensors[0][:8]
     with torch.no_grad():
+        assert not torch.equal(expected["a"](x), expected["b"](x))  # the flag reaches the fit
         for name in ("a", "b"):
-            assert torch.equal(odeify.load(tmp_path / f"{name}.safetensors")(x), expected(x)), name
+            assert torch.equal(odeify.load(tmp_path / f"{name}.safetensors")(x), expected[name](x)), name
     code = main(
         [
             "calibrate",

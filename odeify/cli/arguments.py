@@ -18,6 +18,7 @@ from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, parse_steps
 from odeify.models.data_config import INTERPOLATIONS, MAX_CROP
 from odeify.numerics.bases import BASES
 from odeify.numerics.tableaus import KNOWN_INTEGRATORS, resolve_integrator
+from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_STEPS
 
 
 def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_config: bool = False) -> None:
@@ -456,7 +457,19 @@ def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) ->
         + ("" if required else "; calibrates the retargeted model before it is saved"),
     )
     group.add_argument(
-        "--calibrate-images", type=positive_int, default=256, metavar="N", help="images read (default 256)"
+        "--calibrate-images",
+        type=positive_int,
+        default=CALIBRATION_IMAGES,
+        metavar="N",
+        help=f"images read (default {CALIBRATION_IMAGES})",
+    )
+    group.add_argument(
+        "--calibrate-steps",
+        type=positive_int,
+        default=CALIBRATION_STEPS,
+        metavar="N",
+        help=f"Adam steps per stage (default {CALIBRATION_STEPS}; a model of one deep stage, a ViT, fits "
+        "on to 100 and more)",
     )
     group.add_argument(
         "--calibrate-seconds", type=positive_float, metavar="S", help="time budget of the fit (default: none)"

@@ -1,4 +1,4 @@
-"""The calibration flags' meaning: ``odeify.calibrate`` with ``--calibrate-images``,
+"""The calibration flags' meaning: ``odeify.calibrate`` with ``--calibrate-images``, ``--calibrate-steps``,
 ``--calibrate-seconds`` and ``--seed``, its report on stderr (``odeify calibrate``, ``retarget
 --calibrate``)."""
 
@@ -17,7 +17,12 @@ __all__ = ["calibrate_with_flags"]
 def calibrate_with_flags(model: fx.GraphModule, data: str, args: argparse.Namespace) -> fx.GraphModule:
     """``model`` calibrated on the images of ``data`` as the flags ask; the report goes to stderr."""
     calibrated, report = odeify.calibrate(
-        model, data, images=args.calibrate_images, seconds=args.calibrate_seconds, seed=args.seed
+        model,
+        data,
+        images=args.calibrate_images,
+        iterations=args.calibrate_steps,
+        seconds=args.calibrate_seconds,
+        seed=args.seed,
     )
     print(report, file=sys.stderr)
     return calibrated

@@ -45,24 +45,14 @@ from odeify.train.calibration_data import CalibrationData, calibration_images
 from odeify.train.manifestations import at_source_manifestation
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.progress import LOGGER
+from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_STEPS
 
 __all__ = [
-    "DEFAULT_IMAGES",
-    "DEFAULT_ITERATIONS",
     "CalibrationReport",
     "StageFit",
     "calibrate",
 ]
 
-DEFAULT_IMAGES = 256
-"""Calibration images by default: a few hundred, as post-training reconstruction reads (BRECQ and
-AdaRound use 1024 ImageNet images); measured on the corpus's 32x32 models."""
-DEFAULT_ITERATIONS = 50
-"""Adam steps per stage by default: on the corpus, 30 to 300 steps end within an image of each other
-while the fit still falls. At 50 (of batch 64) a corpus model's calibration costs 0.17x to 1.45x the
-CPU time of one epoch of the default fine-tuning recipe, by model and compression: the ResNets 0.17x
-to 1.06x, the digits model 1.05x to 1.36x, the ViT 0.91x to 1.45x; smaller budgets lose 2 to 10 ViT
-images (benchmarks/results/calibration_budget.md, docs/calibration.md)."""
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH = 64
 HEAD_ROOM = 1e-12  # a target this small in energy has nothing to match: the residual is reported as 0
@@ -102,9 +92,9 @@ def calibrate(
     model: fx.GraphModule,
     data: CalibrationData,
     *,
-    images: int = DEFAULT_IMAGES,
+    images: int = CALIBRATION_IMAGES,
     seconds: float | None = None,
-    iterations: int = DEFAULT_ITERATIONS,
+    iterations: int = CALIBRATION_STEPS,
     lr: float = DEFAULT_LR,
     batch_size: int = DEFAULT_BATCH,
     seed: int = 0,
