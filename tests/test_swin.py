@@ -316,3 +316,20 @@ def test_glue_that_changes_the_layout_is_refused_and_stays_exact(image) -> None:
     x = image((2, 3, 6, 6), dtype=torch.float64)
     with torch.no_grad():
         assert rel(converted(x), model(x)) <= NATIVE_TOLERANCE
+
+
+def test_fine_tuning_default_keeps_checkpointing_where_reversible_keeps_more(converted) -> None:
+    """A Swin whose first stage has two blocks converts to one-block stages, each of which would keep
+    its output, residual and ALF's p under reversible where checkpointing keeps one input (swin_tiny:
+    144 MiB against 86, results/train_step_transformers.md): with nothing asked for it trains with
+    checkpoint. The small Swin above (stages of two periods) trains reversible, as a ViT does."""
+    from odeify.models._testing import make_test_model
+    from odeify.train.manifestations import for_training
+
+    modes = {(s.integrator.name, s.backward) for s in odeify.converted_stages(for_training(converted))}
+    assert modes == {("lie_trotter_alf", "reversible")}
+    shallow = make_test_model(SWIN, **{**SMALL, "depths": (2, 2)}).eval()
+    native = odeify.convert(shallow, input_size=(1, 3, 56, 56))
+    stages = odeify.converted_stages(for_training(native))
+    assert any(s.depth == 1 for s in stages)
+    assert {s.backward for s in stages} == {"checkpoint"}

@@ -23,6 +23,7 @@ from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.errors import ConfigError
 from odeify.numerics.splitting import SPLITTINGS
 from odeify.numerics.tableaus import REVERSIBLE_SCHEMES
+from odeify.runtime.split_stage import SplitStage
 from odeify.train.recipe import Recipe, with_lr
 
 __all__ = [
@@ -59,15 +60,18 @@ def for_training(
 
     With nothing asked for, a model at its source's manifestation (:func:`at_source_manifestation`)
     trains as :data:`MEMORY_FREE_DEFAULT` where every stage takes it (the run's first log line shows
-    each stage's manifestation), if the run ``rebuilds_exactly``: False under autocast, which the
-    lattice does not run, and on a GPU without deterministic kernels, whose re-runs may return other
-    bits. Otherwise, without ``backward``, every stage gets the mode of :func:`memory_free_backward`.
+    each stage's manifestation; on a transformer ALF means its Lie-Trotter splitting), if the run
+    ``rebuilds_exactly``: False under autocast, which the lattice does not run, and on a GPU without
+    deterministic kernels, whose re-runs may return other bits; and where it keeps less memory than
+    checkpointing (not on a transformer with one-block stages, such as Swin's first stages). Otherwise,
+    without ``backward``, every stage gets the mode of :func:`memory_free_backward`.
     """
     if (
         backward is None
         and rebuilds_exactly
         and not any(v is not None for v in settings.values())
         and at_source_manifestation(model)
+        and _reversible_pays(model)
     ):
         with contextlib.suppress(ConfigError):  # a stage ALF cannot run (a split stage): as below
             return retarget(model, **MEMORY_FREE_DEFAULT)
@@ -83,14 +87,25 @@ def recipe_for(model: fx.GraphModule, recipe: Recipe) -> Recipe:
 
 
 def at_source_manifestation(model: fx.GraphModule) -> bool:
-    """Whether every stage runs as converted: Euler, one step and one constant knot per block, backprop
-    (the model computes its source network)."""
+    """Whether every stage runs as converted: Euler (Lie-Trotter on a split stage), one step and one
+    constant knot per block, backprop (the model computes its source network)."""
     stages = converted_stages(model)
     return bool(stages) and all(
-        s.integrator.name == "euler" and s.steps == s.depth == s.num_knots and s.basis == "constant"
-        and s.backward == "backprop"
+        s.integrator.name in ("euler", "lie_trotter") and s.steps == s.depth == s.num_knots
+        and s.basis == "constant" and s.backward == "backprop"
         for s in stages
     )  # fmt: skip
+
+
+def _reversible_pays(model: fx.GraphModule) -> bool:
+    """Whether :data:`MEMORY_FREE_DEFAULT` keeps less than checkpointing would: not on a transformer
+    with stages of one block, each of which keeps its output, residual and ALF's p (about 2.25 states)
+    where checkpointing keeps one input. Measured (benchmarks/results/train_step_transformers.md):
+    vit_small reversible ALF 12 MiB against checkpoint's 35 at the same step time; swin_tiny, whose
+    first two stages convert to eight one-block stages, 144 MiB against checkpoint's 86."""
+    stages = converted_stages(model)
+    has_split = any(isinstance(s, SplitStage) for s in stages)
+    return not (has_split and any(s.depth == 1 for s in stages))
 
 
 def memory_free_backward(model: fx.GraphModule, integrator: str | None = None) -> str | dict[str, str]:
