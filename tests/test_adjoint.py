@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -707,6 +708,39 @@ def test_reversible_state_past_the_lattice_bound_falls_back_exactly(dtype, scale
         assert caught[0].category is odeify.FallbackWarning and caught[0].filename == __file__
     else:
         assert not messages and stats.last_errors == [0.0]
+
+
+def _kept(kept: list[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    kept.append(tensor)
+    return tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_one_step_stage_keeps_its_input_quietly(scheme, dtype) -> None:
+    """One step: the stage keeps its input (one state, which the part before keeps anyway) instead of
+    its output's residual and the other registers, recomputes the step in backward, with backprop's
+    gradients, and neither warns nor counts a fallback. Two steps keep the packed registers."""
+    for steps, keeps_input in [(1, True), (2, False)]:
+        stage = digits_stage(0, dtype, knots=steps, steps=steps, integrator=scheme)
+        x = stage_input(stage, 2, dtype)
+        cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dtype)
+        want = stage_reference(stage, x, cot)
+        stage.configure(backward="reversible")
+        kept: list[torch.Tensor] = []
+        leaf = x.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no FallbackWarning
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(_kept, kept), lambda t: t):
+                out = stage(leaf)
+        assert any(t.data_ptr() == leaf.data_ptr() for t in kept) == keeps_input, steps
+        assert any(not t.is_floating_point() for t in kept) != keeps_input, steps  # packed counts
+        del out, kept  # the forward above only shows what is kept; grads_of runs its own step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = grads_of(stage, x, cot)
+        assert stage.adjoint_stats.fallbacks == 0
+        assert_matches_backprop(got, want, "reversible")
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -164,23 +164,27 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def test_reversible_whole_model_memory_is_flat_in_steps(converted) -> None:
-    """What a reversible model keeps does not grow from native to 4x steps, and is a fraction of backprop's.
+    """What a reversible model keeps does not grow with its steps (2x to 8x), and is a fraction of
+    backprop's.
 
     Kept: the input, every segment's input (the stage outputs), each stage's 1.25 extra states: for
     ALF (its output's int8 residual and p = h/2 v as int32 counts) no more than for reversible Heun.
-    (ALF's backprop keeps half of reversible Heun's, one evaluation per step: hence its larger ratio.)
+    At native steps a stage of one block keeps its input instead, which costs less (this model's
+    layer2 to layer4: 162,880 bytes at 2x and 8x, 155,664 at native). (ALF's backprop keeps half of
+    reversible Heun's, one evaluation per step: hence its larger ratio.)
     """
     x, _ = inputs(torch.float32)
     sizes = {}
     for case in ("reversible", "reversible-alf"):
         native = manifest(converted, case, torch.float32)
-        deep = odeify.retarget(native, steps="x4")  # keeps the whole-model plan
+        double, deep = (odeify.retarget(native, steps=f"x{k}") for k in (2, 8))  # the whole-model plan kept
         assert has_segments(deep)
         assert [s.steps for s in odeify.converted_stages(deep)] == [
-            4 * s.steps for s in odeify.converted_stages(native)
+            8 * s.steps for s in odeify.converted_stages(native)
         ]
-        sizes[case] = [saved_bytes(native, x), saved_bytes(deep, x)]
-        assert sizes[case][1] <= sizes[case][0], sizes
+        sizes[case] = [saved_bytes(native, x), saved_bytes(double, x), saved_bytes(deep, x)]
+        assert sizes[case][2] <= sizes[case][1], sizes
+        assert sizes[case][0] <= sizes[case][1], sizes
         backprop = saved_bytes(manifest(converted, case, torch.float32, backprop=True), x)
         limit = {"reversible": 4, "reversible-alf": 3}[case]  # measured: 1 / 5.2 (Heun), 1 / 3.6 (ALF)
         assert sizes[case][0] < backprop / limit, (sizes, backprop)
