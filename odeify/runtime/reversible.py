@@ -36,8 +36,8 @@ A stage of one step keeps its input in place of its final registers, quietly: th
 of the part before, which that part keeps in any case) costs one state at most where the output's
 residual and the other registers cost about 1.25 (ALF's p in int32 beside an int8 residual), and
 backward recomputes the one step from it, exactly, at one more evaluation. Swin's first stages
-convert to one-block stages: swin_tiny's reversible ALF kept 144 MiB for backward before, against
-timm checkpointing's 91 (benchmarks/results/train_step_transformers.md).
+convert to one-block stages: swin_tiny's reversible ALF keeps 89 MiB for backward so, 144 with the
+packed registers, against timm checkpointing's 91 (benchmarks/results/train_step_transformers.md).
 """
 
 from __future__ import annotations
