@@ -142,18 +142,22 @@ class Lattice:
     def increment(self, field: Tensor, like: Tensor, finer: int = 0) -> Tensor:
         """[h/2 F] in counts of a lattice ``finer`` bits finer than q, in a buffer (release it when done)."""
         scale = self.increment_scale if not finer else self.increment_scale * 2.0**finer
-        if not self._narrow_increments or field.dtype != self.dtype:
-            return self.buffer(like).copy_(field).mul_(scale).round_()
-        if finer not in self._narrow_scales:  # None where 2^finer / q passes the dtype's range (tiny inputs)
-            narrow = scale.to(self.dtype)
-            self._narrow_scales[finer] = narrow if bool(torch.isfinite(narrow).all()) else None
-        narrow_scale = self._narrow_scales[finer]
+        narrow_scale = self._narrow_scale(scale, finer) if field.dtype == self.dtype else None
         if narrow_scale is None:
             return self.buffer(like).copy_(field).mul_(scale).round_()
         if self._scratch is None or self._scratch.shape != field.shape:
             self._scratch = torch.empty_like(field)
         narrow = torch.mul(field, narrow_scale, out=self._scratch).round_()
         return self.buffer(like).copy_(narrow)
+
+    def _narrow_scale(self, scale: Tensor, finer: int) -> Tensor | None:
+        """``scale`` in the input's dtype, once per ``finer``; None where increments must be made in
+        float64: no narrow path, or 2^finer / q past the dtype's range (inputs below 2^-97 in fp32)."""
+        if finer not in self._narrow_scales:
+            narrow = scale.to(self.dtype) if self._narrow_increments else None
+            finite = narrow is not None and bool(torch.isfinite(narrow).all())
+            self._narrow_scales[finer] = narrow if finite else None
+        return self._narrow_scales[finer]
 
     @_profiled
     def value(self, counts: Tensor, reuse: str | None = None) -> Tensor:

@@ -243,10 +243,13 @@ class LatticeAdjoint(StageFunction):
         context = ForwardContext.capture(x)
         lattice = Lattice(x, half_step(stage))
         registers = _run(program, stage, lattice, context, params[: call.num_knots], lattice.counts(x))
-        out, packed, why = lattice.pack(registers, program.scheme)
-        if packed is None or stage.steps == 1:
+        if stage.steps == 1:  # its input costs less to keep than packed registers (module docstring)
+            out, packed = lattice.value(registers[0]), None
+        else:
+            out, packed, why = lattice.pack(registers, program.scheme)
             if packed is None:
                 _note_fallback(call, why)
+        if packed is None:
 
             def recompute(work: Backward, kept: tuple[Tensor, ...], grad_out: Tensor) -> Tensor | None:
                 return _Walk(work, program, grad_out).from_input(kept[0])
