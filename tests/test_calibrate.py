@@ -62,7 +62,7 @@ def test_native_model_is_refused_and_never_changed(resnet: nn.Module, images: to
     with pytest.raises(ConfigError, match="nothing to fit"):
         calibrate(resnet, images, progress=False)
     again, report = calibrate(resnet, images, source=resnet, iterations=5, progress=False)
-    assert all(fit.before == fit.after == 0.0 for fit in report.stages)
+    assert not any(fit.fitted for fit in report.stages)
     after = again.state_dict()
     for name, kept in resnet.state_dict().items():
         assert torch.equal(after[name], kept), name
@@ -78,6 +78,28 @@ def test_fit_moves_stage_outputs_toward_the_source(resnet: nn.Module, images: to
         exact = resnet(images)
         assert _relative(calibrated(images), exact) < _relative(coarse(images), exact)
     assert odeify.converted_stages(calibrated)[0].steps == odeify.converted_stages(coarse)[0].steps
+
+
+def test_a_stage_that_runs_its_source_is_left_as_it_is(resnet: nn.Module, images: torch.Tensor) -> None:
+    """Half the steps on the first stage only: the second runs its source's blocks, so it comes back
+    bit for bit while the first is fitted; the same second stage with other weights than the source
+    given is fitted."""
+    first, second = odeify.converted_stages(resnet)
+    coarse = odeify.retarget(resnet, steps={first.stage_name: "x0.5", second.stage_name: "native"})
+    calibrated, report = calibrate(coarse, images, iterations=5, progress=False)
+    assert [fit.fitted for fit in report.stages] == [True, False]
+    assert "left as it is" in str(report)
+    kept, fitted = odeify.converted_stages(calibrated)[1], odeify.converted_stages(calibrated)[0]
+    for name, tensor in second.state_dict().items():
+        assert torch.equal(kept.state_dict()[name], tensor), name
+    moved = [not torch.equal(a, b) for a, b in zip(fitted.knot_tensors(), first.knot_tensors(), strict=True)]
+    assert any(moved)
+
+    other = copy.deepcopy(coarse)
+    with torch.no_grad():
+        odeify.converted_stages(other)[1].knot_tensors()[0].mul_(1.01)
+    _, report = calibrate(other, images, source=resnet, iterations=5, progress=False)
+    assert [fit.fitted for fit in report.stages] == [True, True]
 
 
 def test_linear_field_fit_equals_the_closed_form() -> None:
