@@ -155,9 +155,9 @@ corpus's 32x32 models."""
 
 CALIBRATION_STEPS = 50
 """Adam steps per stage by default (``odeify.calibrate(iterations=...)``, ``--calibrate-steps``). At 50
-(of batch 64) a corpus model's calibration costs 0.17x to 1.45x the CPU time of one epoch of the
-default fine-tuning recipe, by model and compression: the ResNets 0.17x to 1.06x, the digits model
-1.05x to 1.36x, the ViT 0.91x to 1.45x; smaller budgets lose 2 to 10 ViT images
+(of batch 64) a corpus model's calibration costs 0.20x to 1.49x the CPU time of one epoch of the
+default fine-tuning recipe, by model and compression: the ResNets 0.20x to 1.04x, the digits model
+0.98x to 1.43x, the ViT 1.04x to 1.49x; 32 images a step loses up to 10 ViT images
 (benchmarks/results/calibration_budget.md). A model of one deep stage fits on: the ViT at half the
 steps calibrates to 90.53 / 90.53% at 50 steps and 93.04 / 91.64% at 100, at twice the time
 (docs/calibration.md); a larger learning rate does not replace the steps."""
