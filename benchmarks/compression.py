@@ -20,7 +20,8 @@ is 0.28 point), parameters, per-image forward time (batch 64, median of 5), the 
 time and one fine-tuning epoch's.
 
 Runs are cached, one JSON line each, in ``--cache``; ``--report`` rewrites the results file and the
-plot from the cache.
+plot from the cache (``compression.md`` for the default cache, ``compression_NAME.md`` for
+``--cache out/compression_bench/NAME.jsonl``: the fine-tuning budgets are in ``budgets.jsonl``).
 
     python benchmarks/compression.py --epochs 0                   # before fine-tuning, every model
     python benchmarks/compression.py --models digits_seed0 --epochs 0,1,3,6 --seeds 2
@@ -357,9 +358,16 @@ def main(argv: list[str] | None = None) -> None:
         default=[CACHE],
         help="run caches: runs go to the first, the report reads all",
     )
-    parser.add_argument("--output", type=Path, default=RESULTS / "compression.md")
+    parser.add_argument(
+        "--output", type=Path, default=None,
+        help="results file (default: compression.md for the default cache, compression_NAME.md for a "
+        "cache NAME.jsonl)",
+    )  # fmt: skip
     parser.add_argument("--report", action="store_true", help="only write the results file from the cache")
     args = parser.parse_args(argv)
+    if args.output is None:  # one cache, one results file: a sweep into another cache leaves the others
+        name = "compression" if args.cache[0] == CACHE else f"compression_{args.cache[0].stem}"
+        args.output = RESULTS / f"{name}.md"
     torch.set_num_threads(1)
     if not args.report:
         sweep(args)
