@@ -43,7 +43,7 @@ from odeify.core.errors import ConfigError
 from odeify.ir.source_tensors import SOURCE_PREFIX, record_stage_source
 from odeify.runtime.stage import ODEStage
 from odeify.train.calibration_data import CalibrationData, calibration_images
-from odeify.train.manifestations import at_source_manifestation
+from odeify.train.manifestations import runs_as_converted
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.progress import LOGGER
 from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_STEPS
@@ -142,16 +142,16 @@ def calibrate(
     training = model.training
     work.eval()
     generator = torch.Generator().manual_seed(seed)
-    fitted = [
+    to_fit = [
         name for name, path in paths.items()
         if not _runs_its_source(work.get_submodule(path), reference.get_submodule(reference_paths[name]))
     ]  # fmt: skip
     for index, (name, path) in enumerate(paths.items()):
         fit = StageFit(name, None, None, 0, 0.0)
-        if name in fitted:
+        if name in to_fit:
             inputs = _activations(work, {name: path}, x, batch_size, "input")[name]
             target = _activations(reference, {name: reference_paths[name]}, x, batch_size, "output")[name]
-            budget, stages_left = None, len(fitted) - fitted.index(name)
+            budget, stages_left = None, len(to_fit) - to_fit.index(name)
             if seconds is not None:  # an equal share of what is left
                 budget = max(0.0, seconds - (time.perf_counter() - started)) / stages_left
             stage, coordinates = work.get_submodule(path), SourceCoordinates(work, within=path)
@@ -185,7 +185,7 @@ def _check_arguments(
 
 def _check_fittable(model: fx.GraphModule) -> None:
     """Refuse a model that computes its source already, or whose source is not known."""
-    if at_source_manifestation(retarget(model, backward="backprop")):
+    if all(runs_as_converted(stage) for stage in converted_stages(model)):
         raise ConfigError(
             "this model runs at native depth with one knot per block (Euler): it computes its source "
             "network exactly, so calibration has nothing to fit. Calibrate a coarser manifestation: "
@@ -207,18 +207,12 @@ def _runs_its_source(stage: ODEStage, source: ODEStage) -> bool:
     before it, took about 2.5x the time at half the steps for no gain on the converted model
     (resnet18: 98.33 / 98.33% either way; resnetv2_18: 98.89 / 98.89% left, 99.44 / 98.61% fitted;
     docs/calibration.md)."""
-    native = (
-        stage.integrator.name in ("euler", "lie_trotter") and stage.basis == "constant"
-        and stage.steps == stage.depth == stage.num_knots == source.depth
-    )  # fmt: skip
-    if not native:
+    if not (runs_as_converted(stage) and stage.depth == source.depth):
         return False
     mine, theirs = (
         {k: v for k, v in s.state_dict().items() if not k.startswith(SOURCE_PREFIX)} for s in (stage, source)
     )  # the tensors it computes with, not its record of where they started
-    return mine.keys() == theirs.keys() and all(
-        mine[key].shape == theirs[key].shape and torch.equal(mine[key], theirs[key]) for key in mine
-    )
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[key], theirs[key]) for key in mine)
 
 
 def _with_stage_calls(model: fx.GraphModule) -> fx.GraphModule:

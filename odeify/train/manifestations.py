@@ -21,6 +21,7 @@ from torch import nn
 from odeify.compiler.conversion import converted_stages, retarget
 from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.errors import ConfigError
+from odeify.ir.stage_ir import StageIR
 from odeify.numerics.splitting import SPLITTINGS
 from odeify.numerics.tableaus import REVERSIBLE_SCHEMES
 from odeify.runtime.split_stage import SplitStage
@@ -35,6 +36,7 @@ __all__ = [
     "native_depth",
     "recipe_for",
     "refine",
+    "runs_as_converted",
     "source_network",
     "unknown_source",
 ]
@@ -86,15 +88,20 @@ def recipe_for(model: fx.GraphModule, recipe: Recipe) -> Recipe:
     return with_lr(recipe, (stage.integrator for stage in converted_stages(model)))
 
 
-def at_source_manifestation(model: fx.GraphModule) -> bool:
-    """Whether every stage runs as converted: Euler (Lie-Trotter on a split stage), one step and one
-    constant knot per block, backprop (the model computes its source network)."""
-    stages = converted_stages(model)
-    return bool(stages) and all(
-        s.integrator.name in ("euler", "lie_trotter") and s.steps == s.depth == s.num_knots
-        and s.basis == "constant" and s.backward == "backprop"
-        for s in stages
+def runs_as_converted(stage: StageIR) -> bool:
+    """Whether ``stage`` computes its blocks as converted, whatever its backward mode: Euler
+    (Lie-Trotter on a split stage), one step and one constant knot per block."""
+    return (
+        stage.integrator.name in ("euler", "lie_trotter") and stage.basis == "constant"
+        and stage.steps == stage.depth == stage.num_knots
     )  # fmt: skip
+
+
+def at_source_manifestation(model: fx.GraphModule) -> bool:
+    """Whether every stage runs as converted (:func:`runs_as_converted`) with backprop: the model
+    computes its source network."""
+    stages = converted_stages(model)
+    return bool(stages) and all(runs_as_converted(s) and s.backward == "backprop" for s in stages)
 
 
 def _reversible_pays(model: fx.GraphModule) -> bool:
