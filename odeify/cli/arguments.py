@@ -474,4 +474,11 @@ def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) ->
     group.add_argument(
         "--calibrate-seconds", type=positive_float, metavar="S", help="time budget of the fit (default: none)"
     )
+    group.add_argument(
+        "--calibrate-objective",
+        choices=("stage", "output"),
+        default="stage",
+        help="what the fit matches: each stage's output (default), or on the network's last stage its "
+        "output too ('output': a ViT, whose head reads the class token alone, at a third of its steps)",
+    )
     group.add_argument("--seed", type=seed, default=0, help="which images and batches (default 0)")

@@ -1,6 +1,6 @@
 """The calibration flags' meaning: ``odeify.calibrate`` with ``--calibrate-images``, ``--calibrate-steps``,
-``--calibrate-seconds`` and ``--seed``, its report on stderr (``odeify calibrate``, ``retarget
---calibrate``)."""
+``--calibrate-seconds``, ``--calibrate-objective`` and ``--seed``, its report on stderr (``odeify
+calibrate``, ``retarget --calibrate``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def calibrate_with_flags(model: fx.GraphModule, data: str, args: argparse.Namesp
         iterations=args.calibrate_steps,
         seconds=args.calibrate_seconds,
         seed=args.seed,
+        objective=args.calibrate_objective,
     )
     print(report, file=sys.stderr)
     return calibrated
