@@ -9,7 +9,10 @@ below, four rows are compared at the same depth:
   the blocks the coarse steps read (block ``floor(i L / s)`` for step ``i`` of ``s``), converted at
   native depth: the student a user builds by hand;
 - ``layer drop calibrated``: that student calibrated the same way, fitted to the source's stage
-  outputs, so that the comparison is fair.
+  outputs, so that the comparison is fair;
+- only when ``--rows`` names them, ``odeify calibrated to the output`` and ``layer drop calibrated
+  to the output``: the two calibrated rows with ``objective="output"`` (the network's last stage
+  fitted to the source's output too).
 
 The compressions: half and a third of the steps (Euler; the ViT's split stage Lie-Trotter and
 Strang), and 2 linear knots per stage at native steps (its student keeps 2 blocks per run: the same
@@ -70,6 +73,9 @@ SPLIT_COMPRESSIONS: dict[str, dict[str, Any]] = {
     "2 knots": {"knots": 2, "basis": "linear"},
 }
 ROWS = ("odeify", "odeify calibrated", "layer drop", "layer drop calibrated")
+OUTPUT_ROWS = ("odeify calibrated to the output", "layer drop calibrated to the output")
+"""Rows run only when ``--rows`` names them: calibrated with ``objective="output"`` (the last stage
+fitted to the network's output too)."""
 VAL_IMAGES = 359
 CACHE = Path(__file__).resolve().parents[1] / "out" / "compression_bench" / "runs.jsonl"
 
@@ -169,12 +175,13 @@ def build_row(row: str, model_name: str, settings: dict[str, Any], seed: int, co
         )
         model.pretrained_cfg = native.pretrained_cfg
     seconds = None
-    if row.endswith("calibrated"):
+    if "calibrated" in row:
         started = time.perf_counter()
         try:
             model, _ = odeify.calibrate(
                 model, _calibration_data(model_name, corpus), seed=seed, progress=False,
                 source=native if row.startswith("layer drop") else None,
+                objective="output" if row in OUTPUT_ROWS else "stage",
             )  # fmt: skip
         except ConfigError as exc:  # a compression that leaves the model as converted: nothing to fit
             print(f"  not calibrated: {exc}", file=sys.stderr)
@@ -233,7 +240,7 @@ def sweep(args: argparse.Namespace) -> None:
                 continue
             for row in args.rows:
                 for epochs in args.epochs:
-                    seeds = range(args.seeds) if (epochs or row.endswith("calibrated")) else range(1)
+                    seeds = range(args.seeds) if (epochs or "calibrated" in row) else range(1)
                     for seed in seeds:
                         key = {"model": model_name, "compression": compression, "row": row,
                                "epochs": epochs, "seed": seed}  # fmt: skip
@@ -260,7 +267,7 @@ def _mean(values: list[float]) -> float:
 
 def report(args: argparse.Namespace, argv: list[str] | None) -> None:
     """The results file and plot from the cache."""
-    entries = [e for path in args.cache for e in _read_cache(path)]
+    entries = [e for path in args.cache for e in _read_cache(path) if e["model"] in args.models]
     sources = {
         name: 100 * source_accuracy(name, args.corpus) for name in dict.fromkeys(e["model"] for e in entries)
     }
@@ -270,8 +277,9 @@ def report(args: argparse.Namespace, argv: list[str] | None) -> None:
         f"Command: `{command_line(__file__, argv)}`  ",
         f"Machine: {describe_machine()}",
         "",
-        "Accuracy on the 359 validation images (one image is 0.28 point), seed 0 / seed 1 (a row as "
-        "built without calibration is one run); `0` is before fine-tuning, `1`, `3`, `6` after that many "
+        "Accuracy on the 359 validation images (one image is 0.28 point), by seed in order (seed 0 / "
+        "seed 1 / ..., and their mean where more than two; a row as built without calibration is one "
+        "run); `0` is before fine-tuning, `1`, `3`, `6` after that many "
         "epochs of the default recipe. `ms` is the forward time per image (batch 64), `cal. s` the "
         "calibration's wall time, `epoch s` one fine-tuning epoch's (from the shortest run).",
         "",
@@ -281,7 +289,7 @@ def report(args: argparse.Namespace, argv: list[str] | None) -> None:
         lines += [f"## {name} (source {source:.2f}%)", ""]
         rows = []
         for compression in compressions(name):
-            for row in ROWS:
+            for row in (*ROWS, *OUTPUT_ROWS):
                 found = [
                     e
                     for e in entries
@@ -293,7 +301,8 @@ def report(args: argparse.Namespace, argv: list[str] | None) -> None:
                 for budget in budgets:
                     at = [e["end"] if budget else e["start"] for e in sorted(found, key=lambda e: e["seed"])
                           if e["epochs"] == budget]  # fmt: skip
-                    cells.append(" / ".join(f"{a:.2f}" for a in at))
+                    mean = f" (mean {_mean(at):.2f})" if len(at) > 2 else ""
+                    cells.append(" / ".join(f"{a:.2f}" for a in at) + mean)
                 first = found[0]
                 calibration = [e["calibration_s"] for e in found if e.get("calibration_s") is not None]
                 epoch = [e["epoch_s"] for e in found if e.get("epoch_s")]
@@ -347,7 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compressions", type=lambda s: s.split(";"), default=None, help="';'-separated names"
     )
-    parser.add_argument("--rows", type=lambda s: s.split(";"), default=list(ROWS), help="';'-separated rows")
+    parser.add_argument(
+        "--rows",
+        type=lambda s: s.split(";"),
+        default=list(ROWS),
+        help=f"';'-separated rows (default: the first four of {'; '.join((*ROWS, *OUTPUT_ROWS))})",
+    )
     parser.add_argument("--epochs", type=lambda s: [int(e) for e in s.split(",")], default=[0, 1, 3, 6])
     parser.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 (default 2)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
@@ -365,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--report", action="store_true", help="only write the results file from the cache")
     args = parser.parse_args(argv)
+    unknown = [row for row in args.rows if row not in (*ROWS, *OUTPUT_ROWS)]
+    if unknown:
+        parser.error(f"no row {unknown[0]!r}; the rows: {'; '.join((*ROWS, *OUTPUT_ROWS))}")
     if args.output is None:  # one cache, one results file: a sweep into another cache leaves the others
         name = "compression" if args.cache[0] == CACHE else f"compression_{args.cache[0].stem}"
         args.output = RESULTS / f"{name}.md"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
 import pytest
 import timm
 import torch
+
+import odeify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from layer_drop import layer_dropped  # noqa: E402  (benchmarks/ is not a package)
@@ -48,3 +51,22 @@ def test_bad_block_lists_are_refused(vit: torch.nn.Module) -> None:
         layer_dropped(vit, [0, 4])
     with pytest.raises(ValueError, match="no timm `blocks`"):
         layer_dropped(torch.nn.Linear(2, 2), [0])
+
+
+def test_lie_trotter_at_half_the_steps_is_the_student_with_doubled_branches(vit: torch.nn.Module) -> None:
+    """A coarse Lie-Trotter step reads the kept block's weights at its start over two blocks' length:
+    the layer-drop student with each kept block's last projections doubled, the same function class
+    (why the two calibrate alike: docs/calibration.md)."""
+    half = odeify.retarget(odeify.convert(vit, input_size=(3, 32, 32)), steps="x0.5")
+    doubled = copy.deepcopy(vit)
+    with torch.no_grad():
+        for k in (0, 2):
+            for layer in (doubled.blocks[k].attn.proj, doubled.blocks[k].mlp.fc2):
+                layer.weight.mul_(2)
+                layer.bias.mul_(2)
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        coarse, expected = half(x), _through_blocks(doubled, x, [0, 2])
+        # float64; 0.0 measured (doubling is exact in floating point), 1e-13 allows another kernel order
+        torch.testing.assert_close(coarse, expected, rtol=1e-13, atol=0)
+        assert not torch.allclose(coarse, _through_blocks(vit, x, [0, 2]))  # the doubling matters
