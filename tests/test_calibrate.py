@@ -180,6 +180,29 @@ def test_image_folder_is_read_with_the_model_transform(resnet: nn.Module, tmp_pa
     assert report.images == 4
 
 
+def test_training_split_is_read_without_its_augmentation(resnet: nn.Module, tmp_path: Path) -> None:
+    """Fine-tuning data (``finetune`` calibrates on it) gives the images the folder's path gives,
+    through the evaluation transform, not the training split's random crops and flips."""
+    from odeify.train.calibration_data import _from_dataset, calibration_images
+    from odeify.train.datasets import Augmentation
+
+    for split, count in (("train", 6), ("val", 2)):
+        for index in range(count):
+            folder = tmp_path / split / str(index % 2)
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = torch.randint(0, 255, (40, 40), generator=torch.Generator().manual_seed(index))
+            Image.fromarray(pixels.to(torch.uint8).numpy()).save(folder / f"{index}.png")
+    model = odeify.retarget(resnet, steps=1).float()
+    data = open_data(tmp_path, model, Augmentation())
+    augmenting = data.train.transform
+    torch.manual_seed(0)
+    from_data = calibration_images(data, model, 4, seed=0)
+    torch.testing.assert_close(from_data, calibration_images(tmp_path, model, 4, seed=0), rtol=0, atol=0)
+    torch.manual_seed(0)
+    assert not torch.equal(from_data, _from_dataset(data.train, 4, seed=0))  # what augmenting would give
+    assert data.train.transform is augmenting  # the caller's split keeps its transform
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
