@@ -132,3 +132,29 @@ def test_command_line_passes_the_objective(tmp_path: Path, capsys) -> None:
     with torch.no_grad():
         assert torch.equal(odeify.load(tmp_path / "cal.safetensors")(x), expected(x))
         assert not torch.equal(by_stage(x), expected(x))
+
+
+def test_finetune_starts_from_the_objective_given(caplog) -> None:
+    """``finetune(calibrate_objective="output")`` starts from that calibration (epoch 0 scores what
+    the Python call's model scores) and logs the output residual; an unknown one is refused first."""
+    import logging
+    from dataclasses import replace
+
+    from odeify.train.datasets import make_loader
+    from odeify.train.evaluate import evaluate
+    from odeify.train.finetune import DEFAULT_RECIPE, finetune
+
+    native = odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
+    digits = open_data("digits", native)
+    one = replace(DEFAULT_RECIPE, epochs=1, batch_size=16)
+    expected, _ = calibrate(odeify.retarget(native, steps=1), digits, progress=False, objective="output")
+    with caplog.at_level(logging.INFO, logger="odeify"):
+        result = finetune(
+            odeify.retarget(native, steps=1), digits, one, max_batches=1, progress=False,
+            calibrate_objective="output",
+        )  # fmt: skip
+    score = evaluate(expected.eval(), make_loader(digits.val, 256, train=False)).accuracy
+    assert result.history[0].val_accuracy == score
+    assert "output residual" in caplog.text
+    with pytest.raises(ConfigError, match="calibrate_objective must be one of"):
+        finetune(odeify.retarget(native, steps=1), digits, one, progress=False, calibrate_objective="logits")

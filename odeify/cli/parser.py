@@ -331,6 +331,13 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "(odeify.calibrate)",
     )
     finetune.add_argument(
+        "--calibrate-objective",
+        choices=("stage", "output"),
+        default="stage",
+        help="what that first fit matches: each stage's output (default), or on the network's last stage "
+        "its output too ('output': a ViT)",
+    )
+    finetune.add_argument(
         "--distill",
         type=arg.fraction,
         help="weight of distillation from the teacher (the source network, or --teacher), 0..1 "

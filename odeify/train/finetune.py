@@ -70,7 +70,7 @@ from odeify.core.lock import folder_lock
 from odeify.core.paths import output_folder
 from odeify.ir.source_tensors import record_source
 from odeify.serialization.io import save
-from odeify.train.calibration import calibrate
+from odeify.train.calibration import OBJECTIVES, calibrate
 from odeify.train.datasets import LabelledData, check_data, make_loader
 from odeify.train.distributed import Processes, start_processes, stop_processes
 from odeify.train.fingerprint import check_fingerprint, run_fingerprint
@@ -176,6 +176,7 @@ def finetune(
     deterministic: bool = False,
     log_interval: int = DEFAULT_LOG_INTERVAL,
     calibrate_first: bool = True,
+    calibrate_objective: str = "stage",
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
 
@@ -195,9 +196,14 @@ def finetune(
     ``log_interval`` batches. ``calibrate_first``: a new run of a coarse manifestation (fewer steps
     or knots than blocks) whose source is known starts from :func:`odeify.calibrate` on its
     training images (docs/calibration.md: it starts near the source and ends at or above the
-    uncalibrated run); said in the log.
+    uncalibrated run); said in the log. ``calibrate_objective``: that calibration's ``objective``
+    (``"output"``: the last stage fitted to the network's output too, for a ViT).
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
+    if calibrate_objective not in OBJECTIVES:
+        raise ConfigError(
+            f"calibrate_objective must be one of {', '.join(OBJECTIVES)}; got {calibrate_objective!r}."
+        )
     recipe = recipe_for(model, recipe)
     check_data(data, model)
     procs = processes or Processes()
@@ -215,7 +221,7 @@ def finetune(
         _log_start(model, data, procs)
         model = model.to(procs.device)
         if calibrate_first and not resume:
-            _calibrate_in_place(model, data, seed, procs)
+            _calibrate_in_place(model, data, seed, procs, calibrate_objective)
         trainer = Trainer(model, recipe, procs, batches * recipe.epochs, teacher)
         if resume:
             history = _resume(trainer, require_folder(folder), run, refine_epochs, started_from)
@@ -279,7 +285,9 @@ def _log_epoch(trainer: Trainer, history: list[EpochRecord], folder: Path | None
     LOGGER.info(epoch_line(history[-1], recipe.epochs, best_before, folder, loss))
 
 
-def _calibrate_in_place(model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes) -> None:
+def _calibrate_in_place(
+    model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes, objective: str
+) -> None:
     """Calibrate ``model`` on its training images when it is coarse and its source known."""
     coarse = [s for s in converted_stages(model) if min(s.steps, s.num_knots) < s.depth]
     if not coarse:
@@ -290,7 +298,7 @@ def _calibrate_in_place(model: fx.GraphModule, data: LabelledData, seed: int, pr
             LOGGER.info(f"note: not calibrated before fine-tuning: the source network is not known ({why})")
         return
     torch.manual_seed(seed)  # the training transform's random draws
-    calibrated, report = calibrate(model, data, seed=seed, progress=False)
+    calibrated, report = calibrate(model, data, seed=seed, progress=False, objective=objective)
     with torch.no_grad():  # in place: the caller's model (and its hooks) is the one that trains
         model.load_state_dict(calibrated.state_dict())
     if procs.is_main:

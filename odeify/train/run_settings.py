@@ -107,4 +107,5 @@ def finetune_with(
         deterministic=settings.deterministic,
         log_interval=settings.log_interval or DEFAULT_LOG_INTERVAL,
         calibrate_first=settings.calibrate,
+        calibrate_objective=settings.calibrate_objective,
     )
