@@ -267,7 +267,8 @@ def _mean(values: list[float]) -> float:
 
 def report(args: argparse.Namespace, argv: list[str] | None) -> None:
     """The results file and plot from the cache."""
-    entries = [e for path in args.cache for e in _read_cache(path) if e["model"] in args.models]
+    read = [e for path in args.cache for e in _read_cache(path) if e["model"] in args.models]
+    entries = list({_key_of(e): e for e in reversed(read)}.values())[::-1]  # a run in two caches: the first's
     sources = {
         name: 100 * source_accuracy(name, args.corpus) for name in dict.fromkeys(e["model"] for e in entries)
     }
