@@ -7,6 +7,7 @@ from them), and the ``"stage"`` objective's fit (the stages before the last must
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def resnet() -> nn.Module:
+def resnet(native: nn.Module) -> nn.Module:
     """The shipped digits ResNet (trained; stages of 4 and 3 blocks), converted, in float64."""
-    return odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH)).double()
+    return copy.deepcopy(native).double()
 
 
 @pytest.fixture(scope="module")
-def images(resnet: nn.Module) -> torch.Tensor:
-    return open_data("digits", resnet).train.tensors[0][:24].double()
+def images(digits) -> torch.Tensor:
+    return digits.train.tensors[0][:24].double()
 
 
 @pytest.fixture(scope="module")
