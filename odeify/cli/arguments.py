@@ -18,7 +18,7 @@ from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, parse_steps
 from odeify.models.data_config import INTERPOLATIONS, MAX_CROP
 from odeify.numerics.bases import BASES
 from odeify.numerics.tableaus import KNOWN_INTEGRATORS, resolve_integrator
-from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_STEPS
+from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_OBJECTIVES, CALIBRATION_STEPS
 
 
 def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_config: bool = False) -> None:
@@ -443,6 +443,17 @@ def epoch_list(text: str) -> list[int]:
     return sorted(set(list_of(positive_int)(text)))
 
 
+def objective_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--calibrate-objective``: what calibration matches (``calibrate``, ``retarget``, ``finetune``)."""
+    parser.add_argument(
+        "--calibrate-objective",
+        choices=CALIBRATION_OBJECTIVES,
+        default=CALIBRATION_OBJECTIVES[0],
+        help="what the fit matches: each stage's output (default), or on the network's last stage its "
+        "output too ('output': a ViT, whose head reads the class token alone, at a third of its steps)",
+    )
+
+
 def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) -> None:
     """The calibration flags: where the images are (``data_flag``: --calibrate on retarget, --data on
     calibrate), how many, the time budget and the seed."""
@@ -474,11 +485,5 @@ def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) ->
     group.add_argument(
         "--calibrate-seconds", type=positive_float, metavar="S", help="time budget of the fit (default: none)"
     )
-    group.add_argument(
-        "--calibrate-objective",
-        choices=("stage", "output"),
-        default="stage",
-        help="what the fit matches: each stage's output (default), or on the network's last stage its "
-        "output too ('output': a ViT, whose head reads the class token alone, at a third of its steps)",
-    )
+    objective_argument(group)
     group.add_argument("--seed", type=seed, default=0, help="which images and batches (default 0)")

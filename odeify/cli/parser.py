@@ -330,13 +330,7 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "by default a new run first fits its stages to the source network on training images "
         "(odeify.calibrate)",
     )
-    finetune.add_argument(
-        "--calibrate-objective",
-        choices=("stage", "output"),
-        default="stage",
-        help="what that first fit matches: each stage's output (default), or on the network's last stage "
-        "its output too ('output': a ViT)",
-    )
+    arg.objective_argument(finetune)
     finetune.add_argument(
         "--distill",
         type=arg.fraction,

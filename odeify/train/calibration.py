@@ -51,7 +51,7 @@ from odeify.train.manifestations import runs_as_converted
 from odeify.train.network_tail import network_tail
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.progress import LOGGER
-from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_STEPS
+from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_OBJECTIVES, CALIBRATION_STEPS
 
 __all__ = [
     "CalibrationReport",
@@ -61,7 +61,6 @@ __all__ = [
 
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH = 64
-OBJECTIVES = ("stage", "output")
 HEAD_ROOM = 1e-12  # a target this small in energy has nothing to match: the residual is reported as 0
 
 
@@ -132,8 +131,10 @@ def calibrate(
     Returns the calibrated model, in ``model``'s train/eval mode, and the :class:`CalibrationReport`.
     """
     _check_arguments(model, images, seconds, iterations, lr, batch_size, seed)
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"calibrate's objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}.")
+    if objective not in CALIBRATION_OBJECTIVES:
+        raise ConfigError(
+            f"calibrate's objective must be one of {', '.join(CALIBRATION_OBJECTIVES)}; got {objective!r}."
+        )
     if source is None:
         _check_fittable(model)
         source = source_network(model)
