@@ -4,7 +4,8 @@
 of its calibration images. This script calibrates the corpus's coarse manifestations (those of
 ``benchmarks/compression.py``) at several budgets, written ``ITERATIONSxBATCH``, and times one
 epoch of the default fine-tuning recipe on the same model in the same run, so the two times are
-comparable (the target: a calibration costs at most one epoch). Reported per model and compression:
+comparable (the target: a calibration costs at most one epoch); ``:output`` after a budget
+calibrates with ``objective="output"``. Reported per model and compression:
 the accuracy on the 359 validation images after each budget (seed 0 / seed 1), its wall time, and
 its ratio to the epoch's.
 
@@ -34,10 +35,16 @@ CACHE = Path(__file__).resolve().parents[1] / "out" / "calibration_budget" / "ru
 
 
 def _budget(text: str) -> dict[str, Any]:
-    """``ITERATIONSxBATCH`` or ``ITERATIONSxBATCH@LR`` as calibrate's keyword arguments."""
+    """``ITERATIONSxBATCH``, then optionally ``@LR`` and ``:OBJECTIVE``, as calibrate's keyword arguments."""
+    text, _, objective = text.partition(":")
     size, _, lr = text.partition("@")
     iterations, _, batch = size.partition("x")
-    return {"iterations": int(iterations), "batch_size": int(batch), **({"lr": float(lr)} if lr else {})}
+    return {
+        "iterations": int(iterations),
+        "batch_size": int(batch),
+        **({"lr": float(lr)} if lr else {}),
+        **({"objective": objective} if objective else {}),
+    }
 
 
 def _epoch_seconds(model, native, data) -> tuple[float, float]:
@@ -115,7 +122,8 @@ def report(args: argparse.Namespace, argv: list[str] | None) -> None:
             "# Calibration budget against one fine-tuning epoch",
             f"Command: `{command_line(__file__, argv)}`  \nMachine: {describe_machine()}",
             "Each budget is `iterations x batch size` per stage (256 images; `@lr`: a learning rate "
-            "other than the default 1e-3). A cell: accuracy on the 359 validation images after "
+            'other than the default 1e-3; `:output`: calibrated with `objective="output"`). A cell: '
+            "accuracy on the 359 validation images after "
             "calibrating, seed 0 / seed 1, and in brackets the calibration's CPU time (median of the "
             "seeds; one thread, so the work done whatever the machine's load) over one epoch's of the "
             "default fine-tuning recipe on the same model, timed in the same run (the mean of one epoch "
@@ -133,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="digits_seed2,resnetv2_18,resnet50,vit6")
     parser.add_argument("--compressions", default=None, help="';'-separated names (default: all)")
     parser.add_argument(
-        "--budgets", default=",".join(BUDGETS), help="ITERATIONSxBATCH or ITERATIONSxBATCH@LR, ','-separated"
+        "--budgets",
+        default=",".join(BUDGETS),
+        help="ITERATIONSxBATCH[@LR][:OBJECTIVE], ','-separated (30x64:output: 30 steps, output objective)",
     )
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--corpus", type=Path, default=CORPUS)
