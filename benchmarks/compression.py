@@ -267,8 +267,12 @@ def _mean(values: list[float]) -> float:
 
 def report(args: argparse.Namespace, argv: list[str] | None) -> None:
     """The results file and plot from the cache."""
-    read = [e for path in args.cache for e in _read_cache(path) if e["model"] in args.models]
-    entries = list({_key_of(e): e for e in reversed(read)}.values())[::-1]  # a run in two caches: the first's
+    unique: dict[tuple, dict[str, Any]] = {}
+    for path in args.cache:  # a run found in two caches counts once: the first cache's
+        for entry in _read_cache(path):
+            if entry["model"] in args.models:
+                unique.setdefault(_key_of(entry), entry)
+    entries = list(unique.values())
     sources = {
         name: 100 * source_accuracy(name, args.corpus) for name in dict.fromkeys(e["model"] for e in entries)
     }

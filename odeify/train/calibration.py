@@ -131,10 +131,7 @@ def calibrate(
     Returns the calibrated model, in ``model``'s train/eval mode, and the :class:`CalibrationReport`.
     """
     _check_arguments(model, images, seconds, iterations, lr, batch_size, seed)
-    if objective not in CALIBRATION_OBJECTIVES:
-        raise ConfigError(
-            f"calibrate's objective must be one of {', '.join(CALIBRATION_OBJECTIVES)}; got {objective!r}."
-        )
+    check_objective(objective, "calibrate's objective")
     if source is None:
         _check_fittable(model)
         source = source_network(model)
@@ -171,9 +168,7 @@ def calibrate(
             if seconds is not None:  # an equal share of what is left
                 budget = max(0.0, seconds - (time.perf_counter() - started)) / stages_left
             stage, coordinates = work.get_submodule(path), SourceCoordinates(work, within=path)
-            tail = network_tail(work, path) if objective == "output" else None
-            if tail is not None:
-                tail = (tail, _network_outputs(reference, x, batch_size))
+            tail = _tail(work, path, reference, x, batch_size) if objective == "output" else None
             fit = _fit_stage(
                 stage, coordinates, inputs, target, iterations, budget, lr, batch_size, generator, tail
             )  # fmt: skip
@@ -200,6 +195,12 @@ def _check_arguments(
         raise ConfigError(f"calibrate's lr must be a positive number; got {lr!r}.")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ConfigError(f"calibrate's seed must be an integer in [0, 2^63); got {seed!r}.")
+
+
+def check_objective(objective: object, name: str) -> None:
+    """Refuse an objective calibration does not know (``name``: the argument, for the message)."""
+    if objective not in CALIBRATION_OBJECTIVES:
+        raise ConfigError(f"{name} must be one of {', '.join(CALIBRATION_OBJECTIVES)}; got {objective!r}.")
 
 
 def _check_fittable(model: fx.GraphModule) -> None:
@@ -366,23 +367,38 @@ def _residuals(
     """``||stage(inputs) - target|| / ||target||`` over all the calibration images, and the same of
     the network's output against the source's where a ``tail`` is given."""
     graph = stage.unrolled_graph()
-    sums = [[0.0, 0.0], [0.0, 0.0]]  # (error, energy) of the stage output, of the network output
-    batches = zip(inputs.split(batch_size), target.split(batch_size), strict=True)
-    for index, (x, y) in enumerate(batches):
+    outputs = tail[1].split(batch_size) if tail is not None else [None] * len(inputs.split(batch_size))
+    stage_sums, output_sums = _Sums(), _Sums()
+    for x, y, wanted in zip(inputs.split(batch_size), target.split(batch_size), outputs, strict=True):
         h = stage.run_graph(graph, (x,))
-        pairs = [(h, y)]
+        stage_sums.add(h, y)
         if tail is not None:
-            pairs.append((tail[0](h), tail[1].split(batch_size)[index]))
-        for total, (got, wanted) in zip(sums, pairs, strict=False):
-            total[0] += float((got - wanted).double().pow(2).sum())
-            total[1] += float(wanted.double().pow(2).sum())
-    stage_residual, output_residual = (
-        math.sqrt(error / energy) if energy > HEAD_ROOM else 0.0 for error, energy in sums
-    )
-    return stage_residual, output_residual if tail is not None else None
+            output_sums.add(tail[0](h), wanted)
+    return stage_sums.residual(), (output_sums.residual() if tail is not None else None)
+
+
+class _Sums:
+    """A relative residual ``||got - wanted|| / ||wanted||`` summed batch by batch, in float64."""
+
+    def __init__(self) -> None:
+        self.error = self.energy = 0.0
+
+    def add(self, got: torch.Tensor, wanted: torch.Tensor) -> None:
+        self.error += float((got - wanted).double().pow(2).sum())
+        self.energy += float(wanted.double().pow(2).sum())
+
+    def residual(self) -> float:
+        return math.sqrt(self.error / self.energy) if self.energy > HEAD_ROOM else 0.0
 
 
 @torch.no_grad()
-def _network_outputs(model: nn.Module, x: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """``model``'s outputs on ``x``, batch by batch (the source's: what ``objective="output"`` fits)."""
-    return torch.cat([model(batch) for batch in x.split(batch_size)])
+def _tail(
+    work: fx.GraphModule, path: str, reference: nn.Module, x: torch.Tensor, batch_size: int
+) -> Tail | None:
+    """The network after the stage at ``path`` with its tensors held fixed (only the stage is fitted),
+    and the source's outputs on ``x``: what ``objective="output"`` fits. None where the output depends
+    on more than the stage's output (:func:`odeify.train.network_tail.network_tail`)."""
+    after = network_tail(work, path)
+    if after is None:
+        return None
+    return after.requires_grad_(False), torch.cat([reference(batch) for batch in x.split(batch_size)])

@@ -70,7 +70,7 @@ from odeify.core.lock import folder_lock
 from odeify.core.paths import output_folder
 from odeify.ir.source_tensors import record_source
 from odeify.serialization.io import save
-from odeify.train.calibration import calibrate
+from odeify.train.calibration import calibrate, check_objective
 from odeify.train.datasets import LabelledData, check_data, make_loader
 from odeify.train.distributed import Processes, start_processes, stop_processes
 from odeify.train.fingerprint import check_fingerprint, run_fingerprint
@@ -95,7 +95,7 @@ from odeify.train.progress import (
     run_summary,
     teacher_line,
 )
-from odeify.train.recipe import CALIBRATION_OBJECTIVES, DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
+from odeify.train.recipe import DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import (
     BEST_FILE,
@@ -200,11 +200,7 @@ def finetune(
     (``"output"``: the last stage fitted to the network's output too, for a ViT).
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
-    if calibrate_objective not in CALIBRATION_OBJECTIVES:
-        raise ConfigError(
-            f"calibrate_objective must be one of {', '.join(CALIBRATION_OBJECTIVES)}; got "
-            f"{calibrate_objective!r}."
-        )
+    check_objective(calibrate_objective, "calibrate_objective")
     recipe = recipe_for(model, recipe)
     check_data(data, model)
     procs = processes or Processes()
