@@ -71,6 +71,31 @@ def test_the_tail_computes_the_output_from_the_last_stage(name: str, request, im
         assert network_tail(model, earlier) is None
 
 
+class ScaledByStem(nn.Module):
+    """Identity blocks whose head output is scaled by a value from before the stage (the stem's mean):
+    the network's output depends on more than the last stage's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 1)
+        self.blocks = nn.ModuleList(nn.Conv2d(4, 4, 1) for _ in range(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = stem = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean((2, 3))) * stem.mean()
+
+
+def test_no_tail_where_a_value_from_before_the_stage_reaches_the_output() -> None:
+    """The stage's output alone does not give the network's output: no tail (the stage loss is kept)."""
+    torch.manual_seed(0)
+    model = _with_stage_calls(odeify.convert(ScaledByStem().double(), input_size=(2, 4, 4)))
+    (path,) = _stage_paths(model).values()
+    assert network_tail(model, path) is None
+
+
 def test_output_objective_fits_the_last_stage_to_the_source_output(resnet: nn.Module, images) -> None:
     """Half the steps: the stages before the last are fitted exactly as by the stage objective (bit for
     bit); the last reports an output residual that falls, and that equals the residual recomputed
