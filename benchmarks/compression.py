@@ -233,7 +233,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     done = {_key_of(e) for path in args.cache for e in _read_cache(path)}
     args.cache[0].parent.mkdir(parents=True, exist_ok=True)
-    for model_name in args.models:
+    for model_name in args.models or MODELS:
         loaded = None
         for compression in compressions(model_name):
             if args.compressions and compression not in args.compressions:
@@ -267,10 +267,10 @@ def _mean(values: list[float]) -> float:
 
 def report(args: argparse.Namespace, argv: list[str] | None) -> None:
     """The results file and plot from the cache."""
-    unique: dict[tuple, dict[str, Any]] = {}
+    unique: dict[tuple, dict[str, Any]] = {}  # a sweep's report is the whole cache; --report --models, some
     for path in args.cache:  # a run found in two caches counts once: the first cache's
         for entry in _read_cache(path):
-            if entry["model"] in args.models:
+            if not (args.report and args.models) or entry["model"] in args.models:
                 unique.setdefault(_key_of(entry), entry)
     entries = list(unique.values())
     sources = {
@@ -357,7 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    parser.add_argument(
+        "--models",
+        type=lambda s: s.split(","),
+        default=None,
+        help="','-separated (default: the whole corpus; with --report: every model in the caches)",
+    )
     parser.add_argument(
         "--compressions", type=lambda s: s.split(";"), default=None, help="';'-separated names"
     )
