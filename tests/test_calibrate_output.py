@@ -77,9 +77,8 @@ class ScaledByStem(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem = nn.Conv2d(2, 4, 1)
-        self.blocks = nn.ModuleList(nn.Conv2d(4, 4, 1) for _ in range(4))
-        self.head = nn.Linear(4, 3)
+        self.stem, self.head = nn.Conv2d(2, 4, 1), nn.Linear(4, 3)
+        self.blocks = nn.ModuleList(nn.Conv2d(4, 4, 1) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = stem = self.stem(x)
