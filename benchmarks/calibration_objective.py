@@ -3,7 +3,7 @@
 A timm ViT (6 blocks, 32x32 digits, patch 4), as a user's quick run makes it: ``--epochs`` epochs of
 AdamW with a one-cycle schedule on the corpus's digits image folder through timm's training
 transforms, from a fixed seed. It is converted, retargeted to half and a third of its steps
-(Lie-Trotter) and calibrated with ``objective="stage"`` (the default) and ``"output"`` (the last
+(Lie-Trotter) and calibrated with ``objective="stage"`` and ``"output"`` (the default: the last
 stage fitted to the network's output too), seeds 0 and 1, on the same folder. Both heads timm
 offers are trained: the class token (``token``: the head reads one token) and global average
 pooling (``avg``: it reads every token). Reported: validation accuracy (359 images) of the source,

@@ -100,8 +100,8 @@ def test_output_objective_fits_the_last_stage_to_the_source_output(resnet: nn.Mo
     bit); the last reports an output residual that falls, and that equals the residual recomputed
     from the calibrated model's logits against the source's (float64)."""
     coarse = odeify.retarget(resnet, steps="x0.5")
-    by_stage, _ = calibrate(coarse, images, iterations=20, progress=False)
-    by_output, report = calibrate(coarse, images, iterations=20, progress=False, objective="output")
+    by_stage, _ = calibrate(coarse, images, iterations=20, progress=False, objective="stage")
+    by_output, report = calibrate(coarse, images, iterations=20, progress=False)  # the default: "output"
     *earlier, last = report.stages
     assert all(fit.output is None for fit in earlier) and last.output is not None
     before, after = last.output
@@ -133,35 +133,38 @@ def test_a_diverged_output_fit_is_undone(resnet: nn.Module, images) -> None:
 
 
 def test_an_unknown_objective_is_refused(resnet: nn.Module, images) -> None:
-    with pytest.raises(ConfigError, match="objective must be one of stage, output"):
+    with pytest.raises(ConfigError, match="objective must be one of output, stage"):
         calibrate(odeify.retarget(resnet, steps=1), images, progress=False, objective="logits")
 
 
 def test_command_line_passes_the_objective(tmp_path: Path, capsys) -> None:
-    """``odeify calibrate --calibrate-objective output`` writes the Python call's model (logits to the
-    bit), which the stage objective does not."""
+    """``odeify calibrate`` writes the Python call's model (logits to the bit): by default the output
+    objective's, with ``--calibrate-objective stage`` the stage objective's, and the two differ."""
     from odeify.cli.parser import main
 
     native = odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
     odeify.save(odeify.retarget(native, steps="x0.5"), tmp_path / "half.safetensors")
-    assert main([
-        "calibrate", str(tmp_path / "half.safetensors"), "--data", "digits",
-        "-o", str(tmp_path / "cal.safetensors"), "--calibrate-images", "16", "--calibrate-steps", "4",
-        "--calibrate-objective", "output",
-    ]) == 0  # fmt: skip
-    assert "output residual" in capsys.readouterr().err
     half = odeify.retarget(native, steps="x0.5")
-    expected = calibrate(half, "digits", images=16, iterations=4, progress=False, objective="output")[0]
-    by_stage = calibrate(half, "digits", images=16, iterations=4, progress=False)[0]
     x = open_data("digits", native).val.tensors[0][:8]
-    with torch.no_grad():
-        assert torch.equal(odeify.load(tmp_path / "cal.safetensors")(x), expected(x))
-        assert not torch.equal(by_stage(x), expected(x))
+    logits = {}
+    for objective, flags in (("output", []), ("stage", ["--calibrate-objective", "stage"])):
+        assert main([
+            "calibrate", str(tmp_path / "half.safetensors"), "--data", "digits",
+            "-o", str(tmp_path / f"{objective}.safetensors"), "--calibrate-images", "16",
+            "--calibrate-steps", "4", *flags,
+        ]) == 0  # fmt: skip
+        assert ("output residual" in capsys.readouterr().err) == (objective == "output")
+        expected = calibrate(half, "digits", images=16, iterations=4, progress=False, objective=objective)[0]
+        with torch.no_grad():
+            logits[objective] = odeify.load(tmp_path / f"{objective}.safetensors")(x)
+            assert torch.equal(logits[objective], expected(x)), objective
+    assert not torch.equal(logits["output"], logits["stage"])
 
 
 def test_finetune_starts_from_the_objective_given(caplog) -> None:
-    """``finetune(calibrate_objective="output")`` starts from that calibration (epoch 0 scores what
-    the Python call's model scores) and logs the output residual; an unknown one is refused first."""
+    """``finetune(calibrate_objective="stage")`` starts from that calibration (epoch 0 scores what the
+    Python call's model scores) and logs no output residual, which the default (``"output"``) logs;
+    an unknown objective is refused first."""
     import logging
     from dataclasses import replace
 
@@ -172,14 +175,16 @@ def test_finetune_starts_from_the_objective_given(caplog) -> None:
     native = odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
     digits = open_data("digits", native)
     one = replace(DEFAULT_RECIPE, epochs=1, batch_size=16)
-    expected, _ = calibrate(odeify.retarget(native, steps=1), digits, progress=False, objective="output")
-    with caplog.at_level(logging.INFO, logger="odeify"):
-        result = finetune(
-            odeify.retarget(native, steps=1), digits, one, max_batches=1, progress=False,
-            calibrate_objective="output",
-        )  # fmt: skip
-    score = evaluate(expected.eval(), make_loader(digits.val, 256, train=False)).accuracy
-    assert result.history[0].val_accuracy == score
-    assert "output residual" in caplog.text
+    for objective in ("stage", "output"):
+        expected, _ = calibrate(odeify.retarget(native, steps=1), digits, progress=False, objective=objective)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="odeify"):
+            result = finetune(
+                odeify.retarget(native, steps=1), digits, one, max_batches=1, progress=False,
+                **({"calibrate_objective": "stage"} if objective == "stage" else {}),
+            )  # fmt: skip
+        score = evaluate(expected.eval(), make_loader(digits.val, 256, train=False)).accuracy
+        assert result.history[0].val_accuracy == score, objective
+        assert ("output residual" in caplog.text) == (objective == "output")
     with pytest.raises(ConfigError, match="calibrate_objective must be one of"):
         finetune(odeify.retarget(native, steps=1), digits, one, progress=False, calibrate_objective="logits")

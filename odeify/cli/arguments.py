@@ -18,7 +18,12 @@ from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, parse_steps
 from odeify.models.data_config import INTERPOLATIONS, MAX_CROP
 from odeify.numerics.bases import BASES
 from odeify.numerics.tableaus import KNOWN_INTEGRATORS, resolve_integrator
-from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_OBJECTIVES, CALIBRATION_STEPS
+from odeify.train.recipe import (
+    CALIBRATION_IMAGES,
+    CALIBRATION_OBJECTIVE,
+    CALIBRATION_OBJECTIVES,
+    CALIBRATION_STEPS,
+)
 
 
 def model_arguments(parser: argparse.ArgumentParser, metavar: str, *, data_config: bool = False) -> None:
@@ -448,9 +453,10 @@ def objective_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     parser.add_argument(
         "--calibrate-objective",
         choices=CALIBRATION_OBJECTIVES,
-        default=CALIBRATION_OBJECTIVES[0],
-        help="what the fit matches: each stage's output (default), or on the network's last stage its "
-        "output too ('output': a ViT, whose head reads the class token alone, at a third of its steps)",
+        default=CALIBRATION_OBJECTIVE,
+        help="what the fit matches: 'output' (the default) each stage's output and, on "
+        "the network's last stage, the network's output too (a ViT's head reads the class token alone); "
+        "'stage' each stage's output only",
     )
 
 

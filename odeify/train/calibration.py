@@ -16,10 +16,10 @@ output on a few hundred unlabelled images matches the full-precision network's):
   (:class:`odeify.train.parametrization.SourceCoordinates`: a folded BatchNorm's conv weight, gamma
   and beta, not the folded product), by Adam on the stage's relative squared error, minibatches of
   the calibration images, with a cosine learning-rate decay; nothing outside the stages changes;
-- ``objective="output"`` adds, on the network's last stage, the relative error of the network's output
-  (the tail after the stage: :mod:`odeify.train.network_tail`) against the source's: a ViT's head
-  reads the class token alone, and fitting what it reads lifts a ViT at a third of its steps by 4 to
-  6 points (docs/calibration.md); the default ``"stage"`` fits the stage outputs only;
+- the default ``objective="output"`` adds, on the network's last stage, the relative error of the
+  network's output (the tail after the stage: :mod:`odeify.train.network_tail`) against the
+  source's: a ViT's head reads the class token alone, and fitting what it reads lifts a ViT at a
+  third of its steps by 4 to 6 points (docs/calibration.md); ``"stage"`` fits the stage outputs only;
 - bounded: ``images`` samples, ``iterations`` optimizer steps per stage, and a ``seconds`` budget
   shared by the stages; deterministic for a seed (on one thread). Memory: the images and one stage's
   input and target at a time (each stage's target is taken by its own partial forward of the source,
@@ -51,7 +51,12 @@ from odeify.train.manifestations import runs_as_converted
 from odeify.train.network_tail import network_tail
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.progress import LOGGER
-from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_OBJECTIVES, CALIBRATION_STEPS
+from odeify.train.recipe import (
+    CALIBRATION_IMAGES,
+    CALIBRATION_OBJECTIVE,
+    CALIBRATION_OBJECTIVES,
+    CALIBRATION_STEPS,
+)
 
 __all__ = [
     "CalibrationReport",
@@ -115,7 +120,7 @@ def calibrate(
     batch_size: int = DEFAULT_BATCH,
     seed: int = 0,
     source: nn.Module | None = None,
-    objective: str = "stage",
+    objective: str = CALIBRATION_OBJECTIVE,
     progress: bool = True,
 ) -> tuple[fx.GraphModule, CalibrationReport]:
     """A new model of ``model``'s manifestation whose stages match the source network's on ``data``.
@@ -124,10 +129,10 @@ def calibrate(
     seeded choice of ``images`` of them is read. ``source``: the network whose activations each stage
     is fitted to, a converted model at native depth with the same stage names (default: the source
     network ``model`` keeps). ``seconds`` caps the whole fit (each stage gets an equal share of what
-    is left); ``iterations`` caps each stage. ``objective``: ``"stage"`` fits each stage's output;
-    ``"output"`` also fits the network's output on the network's last stage (where nothing but its
-    output reaches the head; elsewhere the stage loss). ``progress`` logs a line per stage (logger
-    ``odeify``).
+    is left); ``iterations`` caps each stage. ``objective``: ``"output"`` (the default) fits each
+    stage's output and, on the network's last stage, the network's output too (where nothing but the
+    stage's output reaches the head; elsewhere the stage loss); ``"stage"`` fits each stage's output
+    only. ``progress`` logs a line per stage (logger ``odeify``).
     Returns the calibrated model, in ``model``'s train/eval mode, and the :class:`CalibrationReport`.
     """
     _check_arguments(model, images, seconds, iterations, lr, batch_size, seed)

@@ -95,7 +95,7 @@ from odeify.train.progress import (
     run_summary,
     teacher_line,
 )
-from odeify.train.recipe import DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
+from odeify.train.recipe import CALIBRATION_OBJECTIVE, DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import (
     BEST_FILE,
@@ -176,7 +176,7 @@ def finetune(
     deterministic: bool = False,
     log_interval: int = DEFAULT_LOG_INTERVAL,
     calibrate_first: bool = True,
-    calibrate_objective: str = "stage",
+    calibrate_objective: str = CALIBRATION_OBJECTIVE,
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
 
@@ -197,7 +197,7 @@ def finetune(
     or knots than blocks) whose source is known starts from :func:`odeify.calibrate` on its
     training images (docs/calibration.md: it starts near the source and ends at or above the
     uncalibrated run); said in the log. ``calibrate_objective``: that calibration's ``objective``
-    (``"output"``: the last stage fitted to the network's output too, for a ViT).
+    (default ``"output"``: the last stage fitted to the network's output too; ``"stage"``: not).
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
     check_objective(calibrate_objective, "calibrate_objective")
