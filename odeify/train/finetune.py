@@ -300,8 +300,9 @@ def _calibrate_in_place(
         model.load_state_dict(calibrated.state_dict())
     if procs.is_main:
         LOGGER.info(
-            "the coarse stages are fitted to the source network before fine-tuning (calibrate_first=False, "
-            f"--no-calibrate: start from the retargeted knots); {report}"
+            f"the coarse stages are fitted to the source network before fine-tuning, objective {objective!r} "
+            "(calibrate_objective, --calibrate-objective; calibrate_first=False, --no-calibrate: start from "
+            f"the retargeted knots); {report}"
         )
 
 
