@@ -286,7 +286,10 @@ def report(args: argparse.Namespace, argv: list[str] | None) -> None:
         "seed 1 / ..., and their mean where more than two; a row as built without calibration is one "
         "run); `0` is before fine-tuning, `1`, `3`, `6` after that many "
         "epochs of the default recipe. `ms` is the forward time per image (batch 64), `cal. s` the "
-        "calibration's wall time, `epoch s` one fine-tuning epoch's (from the shortest run).",
+        "calibration's wall time, `epoch s` one fine-tuning epoch's (from the shortest run). "
+        '`calibrated`: `odeify.calibrate(objective="stage")`, each stage fitted to the source\'s '
+        'activation there; `calibrated to the output`: the default, `objective="output"`, the last '
+        "stage fitted to the network's output too.",
         "",
     ]
     budgets = sorted({e["epochs"] for e in entries})
@@ -323,7 +326,8 @@ def report(args: argparse.Namespace, argv: list[str] | None) -> None:
 
 
 def plot(entries: list[dict[str, Any]], sources: dict[str, float], path: Path) -> None:
-    """Before fine-tuning, at half the depth: each model's four rows as bars (mean over seeds)."""
+    """Before fine-tuning, at half the depth: each model's rows as bars (mean over seeds), the output
+    objective's beside the others where the cache has them."""
     from matplotlib.figure import Figure
 
     from odeify.core.fileio import atomic_path
@@ -332,14 +336,16 @@ def plot(entries: list[dict[str, Any]], sources: dict[str, float], path: Path) -
     names = [n for n in sources if any(e["model"] == n and e["compression"] == half[n] for e in entries)]
     fig = Figure(figsize=(max(6, 1.6 * len(names)), 4))
     ax = fig.add_subplot()
-    width = 0.8 / len(ROWS)
-    for index, row in enumerate(ROWS):
+    rows = [row for row in (*ROWS, *OUTPUT_ROWS) if any(e["row"] == row for e in entries)]
+    width = 0.8 / len(rows)
+    for index, row in enumerate(rows):
         heights = []
         for name in names:
             at = [e["start"] for e in entries if (e["model"], e["compression"], e["row"], e["epochs"])
                   == (name, half[name], row, 0)]  # fmt: skip
             heights.append(_mean(at) if at else 0.0)
-        ax.bar([i + (index - 1.5) * width for i in range(len(names))], heights, width, label=row)
+        offset = (index - (len(rows) - 1) / 2) * width
+        ax.bar([i + offset for i in range(len(names))], heights, width, label=row)
     ax.scatter(
         range(len(names)), [sources[n] for n in names], color="black", marker="_", s=400, label="source"
     )
@@ -347,7 +353,7 @@ def plot(entries: list[dict[str, Any]], sources: dict[str, float], path: Path) -
     ax.set_ylabel("validation accuracy before fine-tuning (%)")
     ax.set_ylim(0, 100)
     ax.set_title("half the depth: odeify and dropping blocks, as built and calibrated")
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=(len(rows) + 2) // 2, fontsize=8)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
