@@ -1,15 +1,19 @@
-"""Benchmark: calibration's two objectives on a user's quick ViT, outside the corpus.
+"""Benchmark: calibration's two objectives on a user's quick models, outside the corpus.
 
-A timm ViT (6 blocks, 32x32 digits, patch 4), as a user's quick run makes it: ``--epochs`` epochs of
-AdamW with a one-cycle schedule on the corpus's digits image folder through timm's training
-transforms, from a fixed seed. It is converted, retargeted to half and a third of its steps
-(Lie-Trotter) and calibrated with ``objective="stage"`` and ``"output"`` (the default: the last
-stage fitted to the network's output too), seeds 0 and 1, on the same folder. Both heads timm
-offers are trained: the class token (``token``: the head reads one token) and global average
-pooling (``avg``: it reads every token). Reported: validation accuracy (359 images) of the source,
-of each compression as retargeted and as calibrated.
+A timm model as a user's quick run makes it: ``--epochs`` epochs of AdamW with a one-cycle schedule
+on the corpus's digits image folder (32x32) through timm's training transforms, from a fixed seed.
+It is converted, retargeted to half and a third of its steps (Lie-Trotter for a ViT; a stage too
+short for a third keeps one step) and calibrated with ``objective="stage"`` and ``"output"`` (the
+default: the last stage fitted to the network's output too), seeds 0 and 1, on the same folder.
+The models (``--models``): a ViT of 6 blocks (patch 4) with either head timm offers, the class
+token (``token``: the head reads one token) and global average pooling (``avg``: it reads every
+token); and ``resnet34`` (runs of 2, 3, 5 and 2 identity blocks, average pooling). Reported:
+validation accuracy (359 images) of the source, of each compression as retargeted and as
+calibrated.
 
-    python benchmarks/calibration_objective.py                    # both heads, 15 epochs
+    python benchmarks/calibration_objective.py                    # the ViT's two heads, 15 epochs
+    python benchmarks/calibration_objective.py --models resnet34 \
+        --output benchmarks/results/calibration_objective_resnet.md
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from compression import _per_stage
 from finetune import CORPUS, RESULTS
 from machine import command_line, describe_machine, write_results
 from tables import markdown_table
@@ -25,19 +30,23 @@ from torch import nn
 
 OBJECTIVES = ("stage", "output")
 COMPRESSIONS = {"half the steps": "x0.5", "a third of the steps": "x0.33"}
+MODELS = ("token", "avg", "resnet34")
 
 
-def quick_vit(pool: str, folder: Path, epochs: int) -> nn.Module:
-    """A timm ViT trained as a user's quick run trains it (see the module docstring)."""
+def quick_model(kind: str, folder: Path, epochs: int) -> nn.Module:
+    """A timm model trained as a user's quick run trains it (see the module docstring)."""
     import timm
 
     from odeify.train.datasets import make_loader, open_data
 
     torch.manual_seed(0)
-    model = timm.create_model(
-        "vit_tiny_patch16_224", img_size=32, patch_size=4, depth=6, num_classes=10, global_pool=pool,
-        class_token=pool == "token",
-    )  # fmt: skip
+    if kind == "resnet34":
+        model = timm.create_model("resnet34", num_classes=10)
+    else:
+        model = timm.create_model(
+            "vit_tiny_patch16_224", img_size=32, patch_size=4, depth=6, num_classes=10, global_pool=kind,
+            class_token=kind == "token",
+        )  # fmt: skip
     model.pretrained_cfg = {
         **model.pretrained_cfg, "input_size": (3, 32, 32), "mean": (0.5,) * 3, "std": (0.5,) * 3,
         "crop_pct": 1.0, "interpolation": "bicubic",
@@ -55,13 +64,13 @@ def quick_vit(pool: str, folder: Path, epochs: int) -> nn.Module:
     return model.eval()
 
 
-def measure(pool: str, folder: Path, epochs: int) -> list[list[str]]:
-    """The rows of one head: each compression as retargeted and under each objective."""
+def measure(kind: str, folder: Path, epochs: int) -> list[list[str]]:
+    """The rows of one model: each compression as retargeted and under each objective."""
     import odeify
     from odeify.train.datasets import make_loader, open_data
     from odeify.train.evaluate import evaluate
 
-    model = quick_vit(pool, folder, epochs)
+    model = quick_model(kind, folder, epochs)
     val = make_loader(open_data(folder, model).val, 256, train=False)
 
     def accuracy(m: nn.Module) -> str:
@@ -71,7 +80,7 @@ def measure(pool: str, folder: Path, epochs: int) -> list[list[str]]:
     native.pretrained_cfg = model.pretrained_cfg
     rows = []
     for label, steps in COMPRESSIONS.items():
-        coarse = odeify.retarget(native, steps=steps)
+        coarse = odeify.retarget(native, **_per_stage(native, {"steps": steps}))
         cells = []
         for objective in OBJECTIVES:
             runs = [
@@ -79,7 +88,7 @@ def measure(pool: str, folder: Path, epochs: int) -> list[list[str]]:
                 for seed in (0, 1)
             ]
             cells.append(" / ".join(accuracy(m) for m in runs))
-        rows.append([pool, accuracy(model), label, accuracy(coarse), *cells])
+        rows.append([kind, accuracy(model), label, accuracy(coarse), *cells])
         print(" | ".join(rows[-1]), flush=True)
     return rows
 
@@ -88,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pools", default="token,avg", help="timm's global_pool values, ','-separated")
+    parser.add_argument(
+        "--models", default="token,avg", help=f"','-separated, of {', '.join(MODELS)} (default token,avg)"
+    )
     parser.add_argument("--epochs", type=int, default=15, help="the quick run's epochs (default 15)")
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads (default 2; the quick run depends on it)"
@@ -97,23 +108,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=RESULTS / "calibration_objective.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [
-        row
-        for pool in args.pools.split(",")
-        for row in measure(pool, args.corpus / "digits_png", args.epochs)
-    ]
-    header = ["head", "source", "compression", "retargeted", "calibrated, stage", "calibrated, output"]
+    kinds = args.models.split(",")
+    unknown = [kind for kind in kinds if kind not in MODELS]
+    if unknown:
+        parser.error(f"unknown model {unknown[0]!r}: choose from {', '.join(MODELS)}")
+    rows = [row for kind in kinds for row in measure(kind, args.corpus / "digits_png", args.epochs)]
+    header = ["model", "source", "compression", "retargeted", "calibrated, stage", "calibrated, output"]
     text = "\n\n".join([
-        "# Calibration's objectives on a user's quick ViT",
+        "# Calibration's objectives on a user's quick models",
         f"Command: `{command_line(__file__, argv)}`  \nMachine: {describe_machine()}",
-        f"A timm ViT (6 blocks, patch 4, 32x32) trained {args.epochs} epochs on the corpus's digits folder "
-        "(AdamW, one-cycle, timm's training transforms), converted and retargeted (Lie-Trotter), then "
-        "calibrated on 256 images of the same folder: accuracy on its 359 validation images, seed 0 / "
-        "seed 1. `token`: the head reads the class token; `avg`: the mean of every token.",
+        f"A timm model trained {args.epochs} epochs on the corpus's digits folder at 32x32 (AdamW, "
+        "one-cycle, timm's training transforms), converted and retargeted, then calibrated on 256 "
+        "images of the same folder: accuracy on its 359 validation images, seed 0 / seed 1. `token` "
+        "and `avg`: a ViT of 6 blocks (patch 4, Lie-Trotter) whose head reads the class token, or the "
+        "mean of every token; `resnet34`: timm's, a stage too short for a third of its steps keeps one.",
         "\n".join(markdown_table(header, rows)),
     ])  # fmt: skip
     write_results(args.output, text + "\n")
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
