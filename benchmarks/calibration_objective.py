@@ -7,7 +7,7 @@ short for a third keeps one step) and calibrated with ``objective="stage"`` and 
 default: the last stage fitted to the network's output too), seeds 0 and 1, on the same folder.
 The models (``--models``): a ViT of 6 blocks (patch 4) with either head timm offers, the class
 token (``token``: the head reads one token) and global average pooling (``avg``: it reads every
-token); and ``resnet34`` (runs of 2, 3, 5 and 2 identity blocks, average pooling). Reported:
+token); and ``resnet34`` (runs of 3, 3, 5 and 2 identity blocks, average pooling). Reported:
 validation accuracy (359 images) of the source, of each compression as retargeted and as
 calibrated.
 
