@@ -18,9 +18,7 @@ from torch import nn
 import odeify
 from odeify.compiler.source_network import source_network
 from odeify.core.errors import ConfigError
-from odeify.models import DEFAULT_MODEL_PATH
 from odeify.train.calibration import _stage_paths, _with_stage_calls, calibrate
-from odeify.train.datasets import open_data
 from odeify.train.network_tail import network_tail
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,15 +135,14 @@ def test_an_unknown_objective_is_refused(resnet: nn.Module, images) -> None:
         calibrate(odeify.retarget(resnet, steps=1), images, progress=False, objective="logits")
 
 
-def test_command_line_passes_the_objective(tmp_path: Path, capsys) -> None:
+def test_command_line_passes_the_objective(native: nn.Module, digits, tmp_path: Path, capsys) -> None:
     """``odeify calibrate`` writes the Python call's model (logits to the bit): by default the output
     objective's, with ``--calibrate-objective stage`` the stage objective's, and the two differ."""
     from odeify.cli.parser import main
 
-    native = odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
     odeify.save(odeify.retarget(native, steps="x0.5"), tmp_path / "half.safetensors")
     half = odeify.retarget(native, steps="x0.5")
-    x = open_data("digits", native).val.tensors[0][:8]
+    x = digits.val.tensors[0][:8]
     logits = {}
     for objective, flags in (("output", []), ("stage", ["--calibrate-objective", "stage"])):
         assert main([
@@ -161,7 +158,7 @@ def test_command_line_passes_the_objective(tmp_path: Path, capsys) -> None:
     assert not torch.equal(logits["output"], logits["stage"])
 
 
-def test_finetune_starts_from_the_objective_given(caplog) -> None:
+def test_finetune_starts_from_the_objective_given(native: nn.Module, digits, caplog) -> None:
     """``finetune(calibrate_objective="stage")`` starts from that calibration (epoch 0 scores what the
     Python call's model scores) and logs no output residual, which the default (``"output"``) logs;
     an unknown objective is refused first."""
@@ -172,8 +169,6 @@ def test_finetune_starts_from_the_objective_given(caplog) -> None:
     from odeify.train.evaluate import evaluate
     from odeify.train.finetune import DEFAULT_RECIPE, finetune
 
-    native = odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
-    digits = open_data("digits", native)
     one = replace(DEFAULT_RECIPE, epochs=1, batch_size=16)
     for objective in ("stage", "output"):
         expected, _ = calibrate(odeify.retarget(native, steps=1), digits, progress=False, objective=objective)

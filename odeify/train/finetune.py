@@ -294,7 +294,7 @@ def _calibrate_in_place(
         if procs.is_main:
             LOGGER.info(f"note: not calibrated before fine-tuning: the source network is not known ({why})")
         return
-    torch.manual_seed(seed)  # the training transform's random draws
+    torch.manual_seed(seed)  # a split whose transform cannot be swapped for the evaluation one may draw
     calibrated, report = calibrate(model, data, seed=seed, progress=False, objective=objective)
     with torch.no_grad():  # in place: the caller's model (and its hooks) is the one that trains
         model.load_state_dict(calibrated.state_dict())
