@@ -42,6 +42,7 @@ from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
 from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.properties import SEGMENTS
+from odeify.runtime.batch_slices import batch_slices
 from odeify.runtime.rerun import training_batchnorm
 from odeify.runtime.stage import recording
 
@@ -86,6 +87,18 @@ class Segment(nn.Module):
             )
         for index, path in self.module_args.items():
             _refuse_training_batchnorm(args[index], path)
+        inputs = len(args) - len(self.attributes)
+        batches = [a for a in args[:inputs] if isinstance(a, torch.Tensor)]
+        activations = sum(_nbytes(t) for t in batches)
+        slices = [slice(None)]
+        # each slice's weight gradients meet in autograd's buffers: slicing pays where the batch
+        # outweighs the weights (resnet50 at 224: the stem and layer2-3's first blocks; not at 64x64)
+        if len(batches) == inputs and activations > _weight_bytes(args[inputs:]):
+            slices = batch_slices(*batches)
+        if len(slices) > 1:
+            joined = _sliced_checkpoint(self._run, args, inputs, slices)
+            if joined is not None:
+                return joined
         return checkpoint(self._run, *args, use_reentrant=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -99,6 +112,41 @@ class Segment(nn.Module):
     def _run(self, *args: Any) -> Any:
         with torch.profiler.record_function("odeify.segment"):  # forward and recompute, in traces
             return self.runnable(*args)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _weight_bytes(attributes: tuple[Any, ...]) -> int:
+    """Bytes of the trainable tensors a segment is handed (tensors, and modules' parameters)."""
+    tensors = [a for a in attributes if isinstance(a, torch.Tensor)]
+    tensors += [p for a in attributes if isinstance(a, nn.Module) for p in a.parameters()]
+    return sum(_nbytes(t) for t in tensors if t.requires_grad)
+
+
+def _sliced_checkpoint(run, args: tuple[Any, ...], inputs: int, slices: list[slice]) -> Any:
+    """``run`` checkpointed slice by slice of the batch, its outputs joined: backward recomputes one
+    slice at a time, so the segment's activations live for one slice, not the batch
+    (:mod:`odeify.runtime.batch_slices`). None when an output does not keep the batch first (a value
+    whose rows are not the samples'): the caller checkpoints the segment whole."""
+    sizes = [len(range(*rows.indices(args[0].shape[0]))) for rows in slices]
+    pieces = [a.split(sizes) for a in args[:inputs]]  # one split: its backward is one cat, not a sum of zeros
+    parts = []
+    for k in range(len(slices)):
+        sliced = (*(p[k] for p in pieces), *args[inputs:])
+        part = checkpoint(run, *sliced, use_reentrant=False)
+        outputs = part if isinstance(part, tuple) else (part,)
+        size = outputs[0].shape[0] if isinstance(outputs[0], torch.Tensor) and outputs[0].dim() else None
+        if size is None or any(
+            not isinstance(o, torch.Tensor) or not o.dim() or o.shape[0] != size for o in outputs
+        ):
+            return None
+        if size != sliced[0].shape[0]:
+            return None
+        parts.append(outputs)
+    joined = tuple(torch.cat(column) for column in zip(*parts, strict=True))
+    return joined if isinstance(part, tuple) else joined[0]
 
 
 def _refuse_training_batchnorm(module: nn.Module, path: str) -> None:

@@ -92,13 +92,13 @@ def test_lattice_inverse_rebuilds_z0_and_v0_bit_for_bit(monkeypatch, test_model,
     stage.configure(backward="reversible")
     x = torch.randn(2, 64, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(dtype)
     rebuilt = {}
-    check = reversible._Walk._check_rebuild
+    gap = reversible._Walk.rebuild_gap
 
-    def capture(walk) -> None:
+    def capture(walk) -> torch.Tensor:
         rebuilt.update({name: t.clone() for name, t in walk.registers.items()})
-        check(walk)
+        return gap(walk)
 
-    monkeypatch.setattr(reversible._Walk, "_check_rebuild", capture)
+    monkeypatch.setattr(reversible._Walk, "rebuild_gap", capture)
     torch.manual_seed(0)
     stage(x.requires_grad_()).sum().backward()
     start = Lattice(x, half_step(stage)).counts(x.detach())

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from odeify.codegen.emit import step_graph
+from odeify.runtime.batch_slices import batch_slices
 from odeify.runtime.rerun import (
     Backward,
     ForwardContext,
@@ -83,7 +84,7 @@ class CheckpointAdjoint(StageFunction):
 
         def backward(work: Backward, kept: tuple[Tensor, ...], grad_out: Tensor) -> Tensor | None:
             states = _chunk(kept, len(work.stage.state_starts))
-            return _StagePass(work).checkpointed(states, every, grad_out)
+            return _StagePass(work).checkpointed_by_slices(states, every, grad_out)
 
         StageFunction.keep(ctx, call, context, params, saved, backward)
         return state[0]
@@ -99,7 +100,7 @@ class ReverseAdjoint(StageFunction):
         def backward(work: Backward, kept: tuple[Tensor, ...], grad_out: Tensor) -> Tensor | None:
             return _StagePass(work).reconstructed(tuple(kept[1:]), grad_out, kept[0])
 
-        StageFunction.keep(ctx, call, context, params, [x, *state], backward)
+        StageFunction.keep(ctx, call, context, params, [x, *state], backward, grads_in_place=False)
         return state[0]
 
 
@@ -110,9 +111,24 @@ class _StagePass:
         self.stage, self.grads, self.stats = work.stage, work.grads, work.stats
         self.needs_x, self.context = work.needs_x, work.context
 
-    def checkpointed(self, saved: list[State], every: int, grad_out: Tensor) -> Tensor | None:
-        """Exact: re-run each segment of ``every`` steps from its saved start, then VJP its steps."""
+    def checkpointed_by_slices(self, saved: list[State], every: int, grad_out: Tensor) -> Tensor | None:
+        """:meth:`checkpointed`, slice by slice of the batch (:mod:`odeify.runtime.batch_slices`), so
+        a re-run step's activations live for one slice; whole where the stage draws random numbers
+        (the forward drew them for the whole batch) or has one sample."""
         self.stats.backward_passes += 1
+        slices = [slice(None)] if self.stage.draws_random else batch_slices(grad_out)
+        if len(slices) == 1:
+            return self.checkpointed(saved, every, grad_out)
+        grad_x = torch.empty_like(grad_out) if self.needs_x else None
+        for rows in slices:
+            part = self.checkpointed([tuple(s[rows] for s in kept) for kept in saved], every, grad_out[rows])
+            if grad_x is not None:
+                grad_x[rows] = part
+        return grad_x
+
+    def checkpointed(self, saved: list[State], every: int, grad_out: Tensor) -> Tensor | None:
+        """Exact: re-run each segment of ``every`` steps from its saved start, then VJP its steps.
+        The caller counts the pass."""
         steps = self.stage.steps
         cotangent = self._start(grad_out)
         for segment in reversed(range(len(saved))):
@@ -176,6 +192,7 @@ class _StagePass:
                 "the failed attempts."
             )
         self.grads.reset()
+        self.stats.backward_passes += 1
         every = math.isqrt(steps - 1) + 1  # ceil(sqrt(steps))
         state = self.stage.initial_state(x)
         saved = [state]

@@ -53,6 +53,7 @@ from torch import Tensor
 from odeify.codegen.emit import delta_graph
 from odeify.ir.stage_ir import StageIR
 from odeify.numerics.schemes import Add, Evaluate, Op, Reflect, ReversibleScheme
+from odeify.runtime.batch_slices import batch_slices
 from odeify.runtime.lattice import Lattice, half_step
 from odeify.runtime.rerun import Backward, ForwardContext, Rerun, StageCall, StageFunction, warn_fallback
 from odeify.runtime.rerun import knot_window_inputs as _knot_inputs
@@ -234,34 +235,85 @@ def _merged_additions(ops: list[Step]) -> list[Step]:
 
 
 class LatticeAdjoint(StageFunction):
-    """``reversible``: the stage's scheme run on the lattice; forward keeps the compact final registers."""
+    """``reversible``: the stage's scheme run on the lattice, slice by slice of the batch
+    (:mod:`odeify.runtime.batch_slices`); forward keeps each slice's compact final registers."""
 
     @staticmethod
     def forward(ctx: Any, call: StageCall, x: Tensor, *params: Tensor) -> Tensor:
         stage = call.stage
         program = compile_program(stage)
         context = ForwardContext.capture(x)
-        lattice = Lattice(x, half_step(stage))
-        registers = _run(program, stage, lattice, context, params[: call.num_knots], lattice.counts(x))
-        if stage.steps == 1:  # its input costs less to keep than packed registers (module docstring)
-            out, packed = lattice.value(registers[0]), None
-        else:
-            out, packed, why = lattice.pack(registers, program.scheme)
-            if packed is None:
-                _note_fallback(call, why)
-        if packed is None:
+        slices = batch_slices(x)
+        out = torch.empty_like(x) if len(slices) > 1 else None
+        kept: list[tuple[Tensor | None, ...] | None] = []
+        whys = []
+        for index, rows in enumerate(slices):
+            sliced = _sliced(context, slices, index)
+            part, packed, why = _forward_slice(program, stage, x[rows], sliced, params[: call.num_knots])
+            if out is None:
+                out = part
+            else:
+                out[rows] = part
+            kept.append(packed)
+            whys += [why] if packed is None else []
+        if whys and stage.steps > 1:
+            _note_fallback(call, whys[0])
+        layout = [None if packed is None else len(packed) for packed in kept]
+        saved = [out, x if None in layout else None]
+        saved += [t for packed in kept if packed is not None for t in packed]
 
-            def recompute(work: Backward, kept: tuple[Tensor, ...], grad_out: Tensor) -> Tensor | None:
-                return _Walk(work, program, grad_out).from_input(kept[0])
+        def walk_back(work: Backward, tensors: tuple[Tensor, ...], grad_out: Tensor) -> Tensor | None:
+            return _walk_slices(work, program, slices, layout, tensors, grad_out)
 
-            StageFunction.keep(ctx, call, context, params, [x], recompute)
-        else:
-
-            def invert(work: Backward, kept: tuple[Tensor, ...], grad_out: Tensor) -> Tensor | None:
-                return _Walk(work, program, grad_out).inverted(kept)
-
-            StageFunction.keep(ctx, call, context, params, [out, *packed], invert)
+        StageFunction.keep(ctx, call, context, params, saved, walk_back)
         return out
+
+
+def _forward_slice(
+    program: Program, stage: StageIR, x: Tensor, context: ForwardContext | _SliceContext, knots
+) -> tuple[Tensor, tuple[Tensor | None, ...] | None, str]:
+    """One slice forward: its output, its compact final registers (None: keep its input instead), why not."""
+    lattice = Lattice(x, half_step(stage))
+    registers = _run(program, stage, lattice, context, knots, lattice.counts(x))
+    if stage.steps == 1:  # its input costs less to keep than packed registers (module docstring)
+        return lattice.value(registers[0]), None, ""
+    return lattice.pack(registers, program.scheme)
+
+
+def _walk_slices(
+    work: Backward,
+    program: Program,
+    slices: list[slice],
+    layout: list[int | None],
+    tensors: tuple[Tensor | None, ...],
+    grad_out: Tensor,
+) -> Tensor | None:
+    """One backward pass, slice by slice: each slice's states rebuilt (or recomputed from its input)
+    and walked back; x's gradient written slice by slice, the knots' accumulated across them."""
+    out, x, *rest = tensors
+    grad_x = torch.empty_like(grad_out) if work.needs_x and len(slices) > 1 else None
+    gaps, offsets, start = [], [], 0
+    for size in layout:
+        offsets.append(start)
+        start += size or 0
+    for index in reversed(range(len(slices))):
+        rows, size = slices[index], layout[index]
+        sliced = dataclasses.replace(work, context=_sliced(work.context, slices, index))
+        walk = _Walk(sliced, program, grad_out[rows])
+        if size is None:
+            part = walk.from_input(x[rows])
+        else:
+            packed = rest[offsets[index] : offsets[index] + size]
+            part = walk.inverted((out[rows], *packed))
+            gaps.append(walk.rebuild_gap())
+        if grad_x is None:
+            grad_x = part
+        elif part is not None:
+            grad_x[rows] = part
+    work.stats.backward_passes += 1
+    if gaps:
+        _record_rebuild(work, program, gaps)
+    return grad_x
 
 
 def run_on_lattice(
@@ -395,7 +447,6 @@ class _Walk:
         rebuilt = self.lattice.unpack(out, packed, self.program.scheme)
         self.registers = {r.name: t for r, t in zip(layout, rebuilt, strict=True)}
         self._walk()
-        self._check_rebuild()
         return self.lam.result(layout) if self.work.needs_x else None
 
     def from_input(self, x: Tensor) -> Tensor | None:
@@ -407,7 +458,6 @@ class _Walk:
                 self.program, self.stage, lattice, replaying, self.work.knots, lattice.counts(x), self.points
             )
         self._walk()
-        self.work.stats.backward_passes += 1
         return self.lam.result(self.program.scheme.registers) if self.work.needs_x else None
 
     def _walk(self) -> None:
@@ -470,34 +520,41 @@ class _Walk:
         if pending.counts is not None:
             self.lattice.release(pending.counts)
 
-    def _check_rebuild(self) -> None:
-        """The rebuilt initial registers must be where the forward started them: any gap means the
-        rebuilt states were not the forward's."""
-        stats = self.work.stats
-        stats.backward_passes += 1
+    def rebuild_gap(self) -> Tensor:
+        """How far the rebuilt initial registers are from where the forward started them, relative (0
+        when every state was rebuilt bit for bit): a gap means the rebuilt states were not the forward's."""
         layout = self.program.scheme.registers
         inputs = [self.registers[r.name] for r in layout if r.start == "input"]
         zeros = [self.registers[r.name] for r in layout if r.start == "zero"]
         if all(torch.equal(t, inputs[0]) for t in inputs[1:]) and not any(bool(t.any()) for t in zeros):
-            stats.record([torch.zeros((), dtype=torch.float64)])  # one pass each; norms only on a gap
-            return
+            return torch.zeros((), dtype=torch.float64)
         gaps = [torch.linalg.vector_norm(t - inputs[0]) for t in inputs[1:]]
         gaps += [torch.linalg.vector_norm(t) for t in zeros]
         scale = torch.linalg.vector_norm(inputs[0]).clamp_min(1e-300)
-        stats.record([torch.stack(gaps).norm() / scale])
-        start = " = ".join(r.name for r in layout if r.start == "input")
-        start = ", ".join(
-            [start] * (len(inputs) > 1) + [f"{r.name} = 0" for r in layout if r.start == "zero"]
-        )
-        warn_fallback(
-            f"stage '{self.stage.stage_name}' (backward='reversible', integrator="
-            f"'{self.stage.integrator.name}') did not rebuild its states exactly (the rebuilt initial "
-            f"registers, which started at {start}, are {stats.last_errors[0]:.1e} off, relative): its field "
-            "returned other bits on a re-run, or its state outgrew exact float64 arithmetic between "
-            "steps, so these gradients carry that difference, amplified by the inverse. On GPUs use "
-            "deterministic kernels (torch.use_deterministic_algorithms(True), "
-            "torch.backends.cudnn.benchmark = False). stage.adjoint_stats.worst_error tracks it."
-        )
+        return torch.stack(gaps).norm() / scale
+
+
+def _record_rebuild(work: Backward, program: Program, gaps: list[Tensor]) -> None:
+    """Note a pass's largest rebuild gap over its slices (one number a pass); warn when it is not 0."""
+    stats = work.stats
+    stats.record([torch.stack(gaps).max()])
+    if not stats.last_errors[0]:
+        return
+    layout = program.scheme.registers
+    start = " = ".join(r.name for r in layout if r.start == "input")
+    start = ", ".join(
+        [start] * (sum(r.start == "input" for r in layout) > 1)
+        + [f"{r.name} = 0" for r in layout if r.start == "zero"]
+    )
+    warn_fallback(
+        f"stage '{work.stage.stage_name}' (backward='reversible', integrator="
+        f"'{work.stage.integrator.name}') did not rebuild its states exactly (the rebuilt initial "
+        f"registers, which started at {start}, are {stats.last_errors[0]:.1e} off, relative): its field "
+        "returned other bits on a re-run, or its state outgrew exact float64 arithmetic between "
+        "steps, so these gradients carry that difference, amplified by the inverse. On GPUs use "
+        "deterministic kernels (torch.use_deterministic_algorithms(True), "
+        "torch.backends.cudnn.benchmark = False). stage.adjoint_stats.worst_error tracks it."
+    )
 
 
 class _Cotangents:
@@ -568,6 +625,24 @@ class _Cotangents:
         for name in parts[1:]:
             total.add_(self.tensors[name], alpha=float(self.scales[name]))
         return total
+
+
+class _SliceContext:
+    """One batch slice's view of the forward's context: its random draws noted under ``(slice, key)``."""
+
+    def __init__(self, context: ForwardContext, index: int) -> None:
+        self.context, self.index = context, index
+
+    def record(self, key: Any, graph, args) -> Tensor:
+        return self.context.record((self.index, key), graph, args)
+
+    def replay(self, key: Any, graph, args) -> Tensor:
+        return self.context.replay((self.index, key), graph, args)
+
+
+def _sliced(context: ForwardContext, slices: list[slice], index: int) -> ForwardContext | _SliceContext:
+    """The context slice ``index`` records and replays under: the whole context when there is one slice."""
+    return context if len(slices) == 1 else _SliceContext(context, index)
 
 
 class _Replaying:
