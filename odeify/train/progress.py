@@ -186,5 +186,9 @@ def epoch_line(
     return (
         f"epoch {record.epoch}/{epochs}: train {loss} {record.train_loss:.4f}, train accuracy "
         f"{record.train_accuracy:.2%}, val accuracy {record.val_accuracy:.2%}{raw}{mark}, "
-        f"{record.seconds:.1f} s{saved}"
+        f"{record.seconds:.1f} s{_peak(record)}{saved}"
     )
+
+
+def _peak(record: EpochRecord) -> str:
+    return "" if record.peak_memory_mib is None else f", peak memory {record.peak_memory_mib:.0f} MiB"

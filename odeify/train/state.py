@@ -66,10 +66,12 @@ STATE_KEY = "odeify_train_state"
 RUN_FILES = (STATE_FILE, LAST_FILE, BEST_FILE, HISTORY_FILE, SUMMARY_FILE)
 SUMMARY_COLUMNS = (
     "epoch", "train_loss", "train_top1", "eval_loss", "eval_top1", "eval_top1_raw", "lr", "seconds",
+    "peak_memory_mib",
 )  # fmt: skip
 """summary.csv's columns: timm train.py's names (eval_loss, eval_top1 in percent, lr) and the rest of
 an epoch record (train_top1 in percent, eval_top1_raw: the last step's weights when a weight average
-is kept, seconds: the epoch's training time)."""
+is kept, seconds: the epoch's training time, peak_memory_mib: its peak memory, CUDA's max allocated
+or the process's peak resident memory on the CPU: :mod:`odeify.train.peak_memory`)."""
 
 
 @dataclass
@@ -78,7 +80,8 @@ class EpochRecord:
 
     ``val_accuracy`` (and ``val_loss``, the mean cross-entropy) is the accuracy of the model the run
     returns and saves: the weight average when the recipe keeps one, whose last step's weights then
-    score ``val_accuracy_raw`` (else None). ``lr`` is the learning rate of the epoch's last step.
+    score ``val_accuracy_raw`` (else None). ``lr`` is the learning rate of the epoch's last step;
+    ``peak_memory_mib`` the peak memory of its training (:mod:`odeify.train.peak_memory`).
     """
 
     epoch: int
@@ -91,6 +94,7 @@ class EpochRecord:
     knots: dict[str, int] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     val_loss: float | None = None
+    peak_memory_mib: float | None = None
 
 
 class TrainingRun(Protocol):
@@ -161,6 +165,7 @@ def write_summary(path: Path, history: list[EpochRecord]) -> None:
     for r in history:
         values = [cell(r.train_loss), cell(r.train_accuracy, 100), cell(r.val_loss)]
         values += [cell(r.val_accuracy, 100), cell(r.val_accuracy_raw, 100), cell(r.lr), cell(r.seconds)]
+        values += [cell(r.peak_memory_mib)]
         rows.append(",".join([str(r.epoch), *values]))
     atomic_write_bytes(path, ("\n".join(rows) + "\n").encode())
 

@@ -37,6 +37,7 @@ _HISTORY_FIELDS = {
     "lr": "number?",
     "val_accuracy_raw": "fraction?",
     "val_loss": "number?",
+    "peak_memory_mib": "number?",
     "knots": "counts",
     "steps": "counts",
 }

@@ -30,6 +30,7 @@ from odeify.train.distributed import Processes
 from odeify.train.evaluate import evaluate
 from odeify.train.manifestations import refine
 from odeify.train.parametrization import SourceCoordinates, param_groups
+from odeify.train.peak_memory import EpochPeakMemory
 from odeify.train.progress import DEFAULT_LOG_INTERVAL, BatchProgress, loss_name
 from odeify.train.recipe import EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
@@ -137,6 +138,8 @@ class Trainer:
         self.model.train()
         loss = loss_name(recipe, self.teacher is not None)
         bar = BatchProgress(batches, epoch, recipe.epochs, show=show, interval=log_interval, loss=loss)
+        peak = EpochPeakMemory(device)
+        peak.start()
         started = time.perf_counter()
         for index, (x, y) in enumerate(loader):
             if index == batches:
@@ -193,6 +196,7 @@ class Trainer:
             train_accuracy=(totals[1] / totals[2]).item(),
             seconds=seconds,
             lr=lr,
+            peak_memory_mib=peak.mib(),
             **stage_shape(self.model),
         )
 
