@@ -42,7 +42,7 @@ from odeify.ir.meta import node_tag, tag
 from odeify.ir.stage_ir import StageIR
 from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.properties import SEGMENTS
-from odeify.runtime.batch_slices import batch_slices
+from odeify.runtime.batch_slices import batch_slices, probe_sample_bytes
 from odeify.runtime.rerun import training_batchnorm
 from odeify.runtime.stage import recording
 
@@ -94,7 +94,9 @@ class Segment(nn.Module):
         # each slice's weight gradients meet in autograd's buffers: slicing pays where the batch
         # outweighs the weights (resnet50 at 224: the stem and layer2-3's first blocks; not at 64x64)
         if len(batches) == inputs and activations > _weight_bytes(args[inputs:]):
-            slices = batch_slices(*batches)
+            attributes = args[inputs:]
+            sample = probe_sample_bytes(self, lambda rows: self.runnable(*rows, *attributes), batches)
+            slices = batch_slices(*batches, sample_bytes=sample)
         if len(slices) > 1:
             joined = _sliced_checkpoint(self._run, args, inputs, slices)
             if joined is not None:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import odeify
 from odeify.inspection.tensor_peak import TensorPeak
-from odeify.runtime import batch_slices
+from odeify.passes import segments
+from odeify.runtime import adjoint, batch_slices, reversible
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,10 +27,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture
 def slice_rows(monkeypatch):
-    """Make every slice ``rows`` samples of a 64x8x8 state (and the unsliced path: rows=None)."""
+    """Make every pass step ``rows`` samples a slice (``None``: the whole batch), whatever they cost."""
 
     def set_rows(rows: int | None) -> None:
-        monkeypatch.setitem(batch_slices.SLICE_BYTES, "cpu", 2**40 if rows is None else rows * 8 * 64 * 8 * 8)
+        def fixed(*batches, sample_bytes=None):
+            batch = batches[0].shape[0]
+            if rows is None or rows >= batch:
+                return [slice(None)]
+            return [slice(i, min(i + rows, batch)) for i in range(0, batch, rows)]
+
+        for module in (reversible, adjoint, segments):
+            monkeypatch.setattr(module, "batch_slices", fixed)
 
     return set_rows
 
@@ -51,11 +59,12 @@ def grads_of(stage, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[t
 
 
 def test_slices_are_sized_by_the_budget(monkeypatch) -> None:
-    """Rows per slice from the float64 bytes of a sample, at least one; one slice when the batch fits
-    or the tensors do not share their first dimension."""
+    """Rows per slice from what a sample costs (default: its float64 bytes), at least one; one slice
+    when the batch fits or the tensors do not share their first dimension."""
     monkeypatch.setitem(batch_slices.SLICE_BYTES, "cpu", 3 * 8 * 10)
     x = torch.zeros(8, 10)
     assert batch_slices.batch_slices(x) == [slice(0, 3), slice(3, 6), slice(6, 8)]
+    assert batch_slices.batch_slices(x, sample_bytes=120) == [slice(i, i + 2) for i in range(0, 8, 2)]
     assert batch_slices.batch_slices(torch.zeros(8, 1000)) == [slice(i, i + 1) for i in range(8)]
     assert batch_slices.batch_slices(torch.zeros(2, 1)) == [slice(None)]
     assert batch_slices.batch_slices(x, torch.zeros(7, 10)) == [slice(None)]
@@ -69,7 +78,10 @@ def test_a_sliced_pass_computes_the_unsliced_one(test_model, image, slice_rows, 
     stage = stage_of(test_model, integrator, backward)
     x = image((6, 64, 8, 8))
     conv = stage.knot_tensors()[0][0]
-    batch_invariant = torch.equal(F.conv2d(x, conv, padding=1)[2:4], F.conv2d(x[2:4], conv, padding=1))
+    batch_invariant = all(
+        torch.equal(F.conv2d(x, conv, padding=1)[i : i + 2], F.conv2d(x[i : i + 2], conv, padding=1))
+        for i in (0, 2, 4)
+    )
     slice_rows(None)
     whole = grads_of(stage, x)
     slice_rows(2)
@@ -197,3 +209,22 @@ def test_sliced_segments_compute_the_unsliced_model(test_model, image, slice_row
         [*sliced[:2], *sliced[2]], [*whole[:2], *whole[2]], [*truth[:2], *truth[2]], strict=True
     ):
         assert rel(got, exact) <= 2 * rel(want, exact) + 1e-6
+
+
+def test_a_sample_is_probed_once_without_touching_the_input_or_the_rng() -> None:
+    """The probe counts what one sample's run creates (not views, not in-place results), runs on a
+    copy and leaves the RNG where it was; a second call with the same shape reuses the count."""
+    x = torch.randn(4, 10)
+    before, calls = x.clone(), []
+
+    def run(sample):
+        calls.append(1)
+        sample[0].relu_()  # in place: on the copy
+        torch.rand(3)
+        return (sample[0] * 2)[:, :5] + 1
+
+    owner = torch.nn.Linear(1, 1)
+    state = torch.random.get_rng_state()
+    assert batch_slices.probe_sample_bytes(owner, run, [x]) == 3 * 4 + 10 * 4 + 5 * 4  # rand, * 2, + 1
+    assert torch.equal(torch.random.get_rng_state(), state) and torch.equal(x, before)
+    assert batch_slices.probe_sample_bytes(owner, run, [torch.zeros(9, 10)]) and len(calls) == 1

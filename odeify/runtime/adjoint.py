@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from odeify.codegen.emit import step_graph
-from odeify.runtime.batch_slices import batch_slices
+from odeify.runtime.batch_slices import batch_slices, probe_sample_bytes
 from odeify.runtime.rerun import (
     Backward,
     ForwardContext,
@@ -116,7 +116,12 @@ class _StagePass:
         a re-run step's activations live for one slice; whole where the stage draws random numbers
         (the forward drew them for the whole batch) or has one sample."""
         self.stats.backward_passes += 1
-        slices = [slice(None)] if self.stage.draws_random else batch_slices(grad_out)
+        slices = [slice(None)]
+        if not self.stage.draws_random:
+            graph = step_graph(self.stage, 0)
+            knots = self.grads.rerun(graph, differentiate=False).knots
+            step = probe_sample_bytes(graph.module, lambda state: graph(*state, *knots), saved[0])
+            slices = batch_slices(grad_out, sample_bytes=step + sum(4 * s[0].numel() for s in saved[0]))
         if len(slices) == 1:
             return self.checkpointed(saved, every, grad_out)
         grad_x = torch.empty_like(grad_out) if self.needs_x else None

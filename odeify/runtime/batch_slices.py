@@ -1,45 +1,94 @@
-"""Stepping a memory-saving stage over slices of the batch, so its working set follows a slice.
+"""Stepping a memory-saving pass over slices of the batch, so its working set follows a slice.
 
 What a reversible stage needs while it steps (float64 registers and increments, the field's
 activations in the re-run, the cotangents) grows with the batch; what it keeps between forward and
 backward does not need to. A stage's field is per sample (a BatchNorm in training mode is refused,
 :func:`odeify.runtime.rerun.training_batchnorm`) and so is the lattice (one spacing per sample), so
 a slice of the batch computes its samples' states on its own. Forward and backward use the same
-slices, so the rebuild stays exact whatever a kernel does at another batch size (the CPU's conv and
-matmul kernels give the whole batch's bits on a slice: tests/test_batch_slices.py).
+slices, so the rebuild stays exact whatever a kernel does at another batch size (the CPU's conv
+kernels give a slice the whole batch's bits: tests/test_batch_slices.py).
 
-The slice is sized by its float64 register: :data:`SLICE_BYTES` per device type, at least one sample.
-Measured on resnet50, batch 16 at 224 on the CPU (benchmarks/peak_memory.py): the reversible ALF
-step's peak fell from 1.6x to 0.55x timm checkpointing's at the same step time.
+A slice is sized by what one sample costs while it steps: its float64 register plus the tensors one
+evaluation of the field creates for it (what a re-run with grad keeps), measured once per input
+shape on one sample (:func:`probe_sample_bytes`), and holds at most :data:`SLICE_BYTES` of that, at
+least one sample. Measured (benchmarks/results/peak_memory.md): a bottleneck ResNet's first stages
+step one sample at a time, resnet152's layer3 four, a ViT's blocks two.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+import weakref
+from collections.abc import Callable, Sequence
 
-__all__ = ["SLICE_BYTES", "batch_slices"]
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["SLICE_BYTES", "batch_slices", "probe_sample_bytes"]
 
 MIB = 2**20
 
-SLICE_BYTES = {"cpu": 2 * MIB, "cuda": 64 * MIB}
-"""Bytes of one float64 register a slice may hold, by device type (others take the CUDA figure).
+SLICE_BYTES = {"cpu": 16 * MIB, "cuda": 512 * MIB}
+"""What one slice may cost while it steps (float64 register and one evaluation's tensors), by device
+type (others take the CUDA figure). On the CPU, 16 MiB: smaller slices cost step time where the
+states are small (resnet152's layer3 at one sample a slice: 1.26x the step time of four), larger
+ones memory where the activations are large (a ViT block at four samples a slice). On a GPU a slice
+must stay large enough to fill the device."""
 
-On the CPU small slices cost nothing: the kernels run at the speed of the whole batch down to one
-sample of resnet50's first stage (6 MiB of float64 a sample). On a GPU a slice must stay large enough
-to fill the device."""
 
-
-def batch_slices(*batches: Tensor) -> list[slice]:
-    """The rows each slice of a batch takes, in order, sized by the largest sample among ``batches``
-    (tensors sharing their first dimension); one slice for a batch of one, or for tensors that do not
-    share a first dimension (what their rows mean is not known then)."""
+def batch_slices(*batches: Tensor, sample_bytes: int | None = None) -> list[slice]:
+    """The rows each slice of a batch takes, in order: as many samples as :data:`SLICE_BYTES` holds
+    at ``sample_bytes`` each (default: the largest sample among ``batches`` as float64), at least
+    one. One slice for a batch of one, or for tensors that do not share their first dimension (what
+    their rows mean is not known then)."""
     sizes = {t.shape[0] if t.dim() else None for t in batches}
     batch = sizes.pop() if len(sizes) == 1 else None
     if batch is None or batch <= 1:
         return [slice(None)]
-    per_sample = 8 * max(t[0].numel() for t in batches)
+    if sample_bytes is None:
+        sample_bytes = 8 * max(t[0].numel() for t in batches)
     budget = SLICE_BYTES.get(batches[0].device.type, SLICE_BYTES["cuda"])
-    rows = max(1, budget // max(per_sample, 1))
+    rows = max(1, budget // max(sample_bytes, 1))
     if rows >= batch:
         return [slice(None)]
     return [slice(start, min(start + rows, batch)) for start in range(0, batch, rows)]
+
+
+_PROBED: weakref.WeakKeyDictionary[object, dict[tuple, int]] = weakref.WeakKeyDictionary()
+
+
+def probe_sample_bytes(
+    owner: object, run: Callable[[Sequence[Tensor]], object], batches: Sequence[Tensor]
+) -> int:
+    """Bytes of the tensors ``run`` creates for one sample of ``batches`` (their first rows), counted
+    once per ``owner`` and sample shape: ``run`` under ``no_grad`` with the RNG forked, so nothing
+    the caller draws afterwards changes."""
+    key = tuple((tuple(t.shape[1:]), t.dtype, t.device.type) for t in batches)
+    cache = _PROBED.setdefault(owner, {})
+    if key not in cache:
+        counter = _CreatedBytes()
+        devices = [t.device for t in batches if t.device.type == "cuda"][:1]
+        samples = [t[:1].clone() for t in batches]  # what the run does in place stays in the copy
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), counter:
+            run(samples)
+        cache[key] = counter.total
+    return cache[key]
+
+
+class _CreatedBytes(TorchDispatchMode):
+    """Sums the bytes of the storages operators create: every output that is not one of the op's
+    inputs or a view of one (in-place ops and views create nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
+        }
+        created = {t.untyped_storage() for t in tree_leaves(out) if isinstance(t, Tensor)}
+        self.total += sum(s.nbytes() for s in created if s.data_ptr() not in inputs)
+        return out

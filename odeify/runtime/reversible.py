@@ -53,7 +53,7 @@ from torch import Tensor
 from odeify.codegen.emit import delta_graph
 from odeify.ir.stage_ir import StageIR
 from odeify.numerics.schemes import Add, Evaluate, Op, Reflect, ReversibleScheme
-from odeify.runtime.batch_slices import batch_slices
+from odeify.runtime.batch_slices import batch_slices, probe_sample_bytes
 from odeify.runtime.lattice import Lattice, half_step
 from odeify.runtime.rerun import Backward, ForwardContext, Rerun, StageCall, StageFunction, warn_fallback
 from odeify.runtime.rerun import knot_window_inputs as _knot_inputs
@@ -243,7 +243,7 @@ class LatticeAdjoint(StageFunction):
         stage = call.stage
         program = compile_program(stage)
         context = ForwardContext.capture(x)
-        slices = batch_slices(x)
+        slices = batch_slices(x, sample_bytes=_sample_bytes(program, stage, x, params[: call.num_knots]))
         out = torch.empty_like(x) if len(slices) > 1 else None
         kept: list[tuple[Tensor | None, ...] | None] = []
         whys = []
@@ -267,6 +267,22 @@ class LatticeAdjoint(StageFunction):
 
         StageFunction.keep(ctx, call, context, params, saved, walk_back)
         return out
+
+
+def _sample_bytes(program: Program, stage: StageIR, x: Tensor, knots) -> int:
+    """What one sample costs while the stage steps: its float64 register and the tensors the largest
+    of its fields creates in one evaluation (:func:`odeify.runtime.batch_slices.probe_sample_bytes`)."""
+    first: dict[int, _Evaluation] = {}
+    for op in program.ops:
+        if isinstance(op, _Evaluation):
+            first.setdefault(op.field, op)
+
+    def evaluating(op: _Evaluation):
+        graph = delta_graph(stage, op.t, op.left, op.field)
+        return graph.module, lambda sample: graph(sample[0], *_knot_inputs(graph, knots))
+
+    fields = [evaluating(op) for op in first.values()]
+    return 8 * x[0].numel() + max(probe_sample_bytes(module, run, [x]) for module, run in fields)
 
 
 def _forward_slice(
