@@ -1,6 +1,6 @@
 """Benchmark: the peak memory of one training step, and what is alive at that peak, per training mode.
 
-Rows, each in a fresh process: timm plain, timm with ``set_grad_checkpointing(True)``, the timm model
+Rows, each in fresh processes: timm plain, timm with ``set_grad_checkpointing(True)``, the timm model
 under ``torch.compile`` with an activation memory budget (``--compile-budget``; what a PyTorch 2 user
 tries first), and the converted model with odeify checkpoint, reversible ALF and reversible Heun
 (the whole-model memory plan: the parts between stages checkpointed). Random non-trivial weights with
@@ -16,8 +16,9 @@ Per row: a warm-up step (gradients allocated), then
 - RSS peak: the process's peak resident memory during one step over its resident memory before it,
   in a second process with ``MALLOC_MMAP_THRESHOLD_`` set so that freed blocks go back to the system
   at once; on CUDA ``torch.cuda.max_memory_allocated`` over what was allocated before;
-- step time: the median of ``--repeats`` steps (spread: fastest and slowest), in the first process
-  (the allocator as a user runs it), and its ratio to timm plain's in the same run;
+- step time: the median of ``--repeats`` steps (spread: fastest and slowest), and its ratio to timm
+  plain's; a model's rows are alive together and step in turns, so a change of the machine's speed
+  during the run moves them alike (``benchmarks/child.py``);
 - at the peak (odeify rows): the largest groups of tensors alive, by the op that made them.
 
 Writes benchmarks/results/peak_memory.md, .csv and .png (peak against step time, one point per row).
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from child import SteppedChild, report_to_parent, requests
 from machine import command_line, describe_machine
 from memory import reset_peak_rss, rss
 from tables import markdown_table
@@ -91,16 +93,20 @@ def child(args: argparse.Namespace) -> None:
 
     warnings.filterwarnings("ignore", "odeify: stage")
     step()
-    if args.part == "time":
-        times = [step() for _ in range(args.repeats)]
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if args.part == "time":  # a stepped child: timed steps on the parent's turns, then the tensor peak
+        report_to_parent({"ready": True})
+        times = []
+        for _ in requests():
+            times.append(step())
+            report_to_parent({"wall": times[-1]})
         result = {"times": times, "tensor_peak": None, "breakdown": []}
         if args.mode != "timm compiled, memory budget":
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
             with TensorPeak(before=[*model.parameters(), *model.buffers(), *grads, x, labels]) as peak:
                 step()
             result["tensor_peak"] = peak.peak
             result["breakdown"] = peak.breakdown(8) if args.mode in ODEIFY_MODES else []
-        print("RESULT " + json.dumps(result), flush=True)
+        report_to_parent(result)
         return
     if device.type == "cuda":
         before = torch.cuda.memory_allocated()
@@ -112,43 +118,70 @@ def child(args: argparse.Namespace) -> None:
         reset_peak_rss()
         step()
         resident = rss("VmHWM") - before
-    print("RESULT " + json.dumps({"resident": resident}), flush=True)
+    report_to_parent({"resident": resident})
 
 
-def run_one(model: str, mode: str, steps: str, args: argparse.Namespace) -> dict:
-    command = [
-        sys.executable,
-        __file__,
-        "--child",
-        "--model",
-        model,
-        "--mode",
-        mode,
-        "--steps",
-        steps,
-        "--batch",
-        str(BATCHES[model] if args.batch is None else args.batch),
-        "--repeats",
-        str(args.repeats),
-        "--device",
-        args.device,
-        "--compile-budget",
-        str(args.compile_budget),
-    ]
-    merged = {"model": model, "mode": mode, "steps": steps}
-    for part in ("time", "memory"):
-        # resident memory with freed blocks handed back at once; times without that (each large
-        # allocation would then cost fresh pages, which no user's process pays)
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if part == "memory" else dict(os.environ)
-        done = subprocess.run(
-            [*command, "--part", part], capture_output=True, text=True, env=env, timeout=args.timeout
-        )
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+def child_arguments(model: str, mode: str, steps: str, args: argparse.Namespace) -> list[str]:
+    batch = BATCHES[model] if args.batch is None else args.batch
+    return [
+        "--model", model, "--mode", mode, "--steps", steps, "--batch", str(batch),
+        "--device", args.device, "--compile-budget", str(args.compile_budget),
+    ]  # fmt: skip
+
+
+def _last_line(error: Exception | str) -> str:
+    return (str(error).strip().splitlines() or ["no output"])[-1][:200]
+
+
+def measure_model(model: str, rows: list[tuple[str, str]], args: argparse.Namespace) -> list[dict]:
+    """One model's rows: their time processes alive together, stepping in turns (a change of the
+    machine's speed moves every row alike), each then counting its tensor peak; then each row's
+    resident memory in a process of its own, with freed blocks handed back at once
+    (``MALLOC_MMAP_THRESHOLD_``; not while timing: each large allocation would then cost fresh
+    pages, which no user's process pays)."""
+    results = {row: {"model": model, "mode": row[0], "steps": row[1]} for row in rows}
+    children = {}
+    for row in rows:
+        try:
+            arguments = [*child_arguments(model, *row, args), "--part", "time"]
+            children[row] = SteppedChild(__file__, arguments, f"{model} / {row[0]} / {row[1]}")
+        except RuntimeError as error:
+            results[row]["error"] = _last_line(error)
+    try:
+        for _ in range(args.repeats):
+            for row, child in list(children.items()):
+                try:
+                    child.step()
+                except RuntimeError as error:
+                    results[row]["error"] = _last_line(error)
+                    children.pop(row)
+        for row, child in list(children.items()):
+            try:
+                results[row].update(child.finish())
+            except RuntimeError as error:
+                results[row]["error"] = _last_line(error)
+    finally:
+        for child in children.values():
+            child.kill()
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    for row in rows:
+        if "error" in results[row]:
+            continue
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            *child_arguments(model, *row, args),
+            "--part",
+            "memory",
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {**merged, "error": tail[0][:200]}
-        merged.update(json.loads(lines[-1][len("RESULT ") :]))
-    return merged
+            results[row]["error"] = _last_line(done.stderr)
+        else:
+            results[row].update(json.loads(lines[-1]))
+    return list(results.values())
 
 
 def ratio(value: float | None, base: float | None) -> str:
@@ -197,19 +230,21 @@ HEADER = [
 ]
 
 
-def markdown(results: list[dict], argv: list[str], device: str) -> str:
+def markdown(results: list[dict], argv: list[str], device: str, batch: int | None) -> str:
+    models = dict.fromkeys(r["model"] for r in results)
     lines = [
         "# Peak memory of one training step",
         "",
         f"`{command_line(__file__, argv)}`",
         "",
         f"Machine: {describe_machine(device)}. Batch per model: "
-        + ", ".join(f"{m} {b}" for m, b in BATCHES.items())
+        + ", ".join(f"{m} {BATCHES[m] if batch is None else batch}" for m in models)
         + f", {SIZE}x{SIZE}, fp32; {results and len(results[0].get('times', [])) or 0} timed steps per row.",
         "",
         "Tensor peak: the most bytes of tensors alive at once during the step over those alive before "
         "(odeify.inspection.TensorPeak, deterministic); RSS peak: peak resident memory during the step "
-        "over that before it (CUDA: max allocated). Each row in its own process.",
+        "over that before it (CUDA: max allocated). A model's rows step in turns, each in its own process; "
+        "the RSS peak in another (MALLOC_MMAP_THRESHOLD_=65536).",
         "",
         *markdown_table(HEADER, rows_for(results)),
         "",
@@ -271,13 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = []
     for model in args.models:
-        for mode in args.modes:
-            for steps in args.steps if mode in ODEIFY_MODES else ["native"]:
-                results.append(run_one(model, mode, steps, args))
-                print(json.dumps({k: v for k, v in results[-1].items() if k != "breakdown"}), flush=True)
+        rows = [(m, steps) for m in args.modes for steps in (args.steps if m in ODEIFY_MODES else ["native"])]
+        for result in measure_model(model, rows, args):
+            results.append(result)
+            print(json.dumps({k: v for k, v in result.items() if k != "breakdown"}), flush=True)
     out = Path(args.out)
     raw_argv = sys.argv[1:] if argv is None else argv
-    atomic_write_bytes(out.with_suffix(".md"), markdown(results, raw_argv, args.device).encode())
+    atomic_write_bytes(out.with_suffix(".md"), markdown(results, raw_argv, args.device, args.batch).encode())
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(HEADER)

@@ -124,7 +124,7 @@ class _StagePass:
             slices = batch_slices(grad_out, sample_bytes=step + sum(4 * s[0].numel() for s in saved[0]))
         if len(slices) == 1:
             return self.checkpointed(saved, every, grad_out)
-        grad_x = torch.empty_like(grad_out) if self.needs_x else None
+        grad_x = grad_out.new_empty(grad_out.shape) if self.needs_x else None
         for rows in slices:
             part = self.checkpointed([tuple(s[rows] for s in kept) for kept in saved], every, grad_out[rows])
             if grad_x is not None:

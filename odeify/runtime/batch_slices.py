@@ -11,8 +11,9 @@ kernels give a slice the whole batch's bits: tests/test_batch_slices.py).
 A slice is sized by what one sample costs while it steps: its float64 register plus the tensors one
 evaluation of the field creates for it (what a re-run with grad keeps), measured once per input
 shape on one sample (:func:`probe_sample_bytes`), and holds at most :data:`SLICE_BYTES` of that, at
-least one sample. Measured (benchmarks/results/peak_memory.md): a bottleneck ResNet's first stages
-step one sample at a time, resnet152's layer3 four, a ViT's blocks two.
+least one sample. At 224x224 on the CPU that is one sample a slice in resnet50's first two stages,
+three in its third (and resnet152's), seven in its fourth, four in a ViT's blocks
+(benchmarks/results/peak_memory.md has the steps' peaks and times).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ MIB = 2**20
 
 SLICE_BYTES = {"cpu": 16 * MIB, "cuda": 512 * MIB}
 """What one slice may cost while it steps (float64 register and one evaluation's tensors), by device
-type (others take the CUDA figure). On the CPU, 16 MiB: smaller slices cost step time where the
-states are small (resnet152's layer3 at one sample a slice: 1.26x the step time of four), larger
-ones memory where the activations are large (a ViT block at four samples a slice). On a GPU a slice
-must stay large enough to fill the device."""
+type (others take the CUDA figure). On the CPU, measured on one training step: slices of one sample
+slowed resnet152's small layer3 states (8.1 s a step against 6.5 s at five samples a slice, 6.6 s
+unsliced), slices of six a ViT's memory (77 MiB at batch 16 against 52 at three). On a GPU a slice
+must stay large enough to fill the device (not measured here: no GPU was lent)."""
 
 
 def batch_slices(*batches: Tensor, sample_bytes: int | None = None) -> list[slice]:

@@ -307,7 +307,7 @@ def _walk_slices(
     """One backward pass, slice by slice: each slice's states rebuilt (or recomputed from its input)
     and walked back; x's gradient written slice by slice, the knots' accumulated across them."""
     out, x, *rest = tensors
-    grad_x = torch.empty_like(grad_out) if work.needs_x and len(slices) > 1 else None
+    grad_x = grad_out.new_empty(grad_out.shape) if work.needs_x and len(slices) > 1 else None
     gaps, offsets, start = [], [], 0
     for size in layout:
         offsets.append(start)
