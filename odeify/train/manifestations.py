@@ -44,10 +44,11 @@ __all__ = [
 
 MEMORY_FREE_DEFAULT = {"integrator": "alf", "backward": "reversible"}
 """What a model at its source's manifestation trains with when nothing is asked for: ALF at its
-steps, ``backward='reversible'``. Exact gradients at activation memory flat in depth, and the fastest
-such mode (benchmarks/train_step.py: 1.49x timm plain on resnet50 against reversible Heun's 2.31x);
-fine-tuned from there with the default recipe (at ALF's peak learning rate,
-:data:`odeify.train.recipe.ALF_LR`), it meets the fine-tuning target on the corpus
+steps, ``backward='reversible'``. Exact gradients at the lowest peak memory of a training step at a
+step time within a quarter of checkpointing's (benchmarks/results/peak_memory.md, CPU: resnet50
+batch 16 peaks at 282 MiB at 1.33x timm plain's step time, checkpoint at 386 MiB at 1.11x, timm's
+checkpointing at 507 MiB at 1.36x); fine-tuned from there with the default recipe (at ALF's peak
+learning rate, :data:`odeify.train.recipe.ALF_LR`), it meets the fine-tuning target on the corpus
 (docs/finetuning.md)."""
 
 
@@ -106,11 +107,11 @@ def at_source_manifestation(model: fx.GraphModule) -> bool:
 
 def _reversible_pays(model: fx.GraphModule) -> bool:
     """Whether :data:`MEMORY_FREE_DEFAULT` is worth it over checkpointing: not on a transformer with
-    stages of one block, which keep their input under reversible as under checkpointing, at more
-    time. Measured (benchmarks/results/train_step_transformers.md): vit_small reversible ALF keeps 12
-    MiB for backward against checkpoint's 35 at about the same step time; swin_tiny, whose first two
-    stages convert to eight one-block stages, 89 MiB against checkpoint's 86, at 1.57x timm plain's
-    step time against 1.36x."""
+    stages of one block, which keep their input under reversible as under checkpointing. Measured
+    (benchmarks/results/peak_memory.md, one training step's peak and time against timm plain's):
+    swin_tiny, whose first two stages convert to eight one-block stages, reversible ALF 126 MiB at
+    2.26x against checkpoint's 184 MiB at 1.54x (the time half as much again); vit_small 60 MiB at
+    1.48x against 97 MiB at 1.43x."""
     stages = converted_stages(model)
     has_split = any(isinstance(s, SplitStage) for s in stages)
     return not (has_split and any(s.depth == 1 for s in stages))
