@@ -440,6 +440,8 @@ def test_reversible_forward_evaluates_the_fields_the_unrolled_graph_does(
     graphs = []
     delta_graph = reversible.delta_graph
     monkeypatch.setattr(reversible, "delta_graph", lambda *a: graphs.append(a) or delta_graph(*a))
+    # slices are sized by one more evaluation per field (test_batch_slices.py), not the program's
+    monkeypatch.setattr(reversible, "_sample_bytes", lambda *a: 1)
     stage(stage_input(stage, 2, torch.float32))  # forward only: backward evaluates each field again
     assert len(graphs) == emit.count_evaluations(stage) == per_step * stage.steps + once
 
