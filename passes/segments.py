@@ -139,12 +139,8 @@ def _sliced_checkpoint(run, args: tuple[Any, ...], inputs: int, slices: list[sli
         sliced = (*(p[k] for p in pieces), *args[inputs:])
         part = checkpoint(run, *sliced, use_reentrant=False)
         outputs = part if isinstance(part, tuple) else (part,)
-        size = outputs[0].shape[0] if isinstance(outputs[0], torch.Tensor) and outputs[0].dim() else None
-        if size is None or any(
-            not isinstance(o, torch.Tensor) or not o.dim() or o.shape[0] != size for o in outputs
-        ):
-            return None
-        if size != sliced[0].shape[0]:
+        size = sliced[0].shape[0]
+        if any(not isinstance(o, torch.Tensor) or not o.dim() or o.shape[0] != size for o in outputs):
             return None
         parts.append(outputs)
     joined = tuple(torch.cat(column) for column in zip(*parts, strict=True))

@@ -75,15 +75,14 @@ class ParamGrads:
         self.knot_needs = list(needs[:num_knots])
         self.extras = [p for p, need in zip(params[num_knots:], needs[num_knots:], strict=True) if need]
         self.needs = list(needs)
-        self.in_place = in_place
         self.added_in_place: set[int] = set()  # ids of the accumulators that are a parameter's .grad
         pairs = zip(params[:num_knots], self.knot_needs, strict=True)
-        self.knot_grads = [self._accumulator(k) if need else None for k, need in pairs]
-        self.extra_grads = [self._accumulator(p) for p in self.extras]
+        self.knot_grads = [self._accumulator(k, in_place) if need else None for k, need in pairs]
+        self.extra_grads = [self._accumulator(p, in_place) for p in self.extras]
 
-    def _accumulator(self, param: Tensor) -> Tensor:
+    def _accumulator(self, param: Tensor, in_place: bool) -> Tensor:
         """Where the pass adds ``param``'s gradient: its own ``.grad`` (in place), else fresh zeros."""
-        grad = _grad_to_add_into(param) if self.in_place else None
+        grad = _grad_to_add_into(param) if in_place else None
         if grad is None:
             return torch.zeros_like(param)
         self.added_in_place.add(id(grad))
