@@ -48,7 +48,7 @@ FIELDS = {"smooth": "cubic", "native": "constant"}  # field: basis over the nati
 INTEGRATORS = ("euler", "heun")
 EXPECTED = {"euler": 1, "heun": 2}
 TORCHDIFFEQ = "torchdiffeq adjoint"  # measured on the Euler rows only: method='euler'
-PUBLISHED_CLAIM = 0.18  # docs/design.md: torchdiffeq's adjoint errs ~18% in knot gradient at 16 Euler steps
+PUBLISHED_CLAIM = 0.18  # torchdiffeq's adjoint errs ~18% at 16 Euler steps (backward_modes_notes.md)
 CLAIM_STEPS = 16
 TITLE = "backward='reverse' and torchdiffeq's adjoint: gradient error vs steps"
 

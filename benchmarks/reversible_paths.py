@@ -2,7 +2,7 @@
 
 ``backward='reversible'`` runs reversible Heun or ALF (MALI's asynchronous leapfrog). On the
 default piecewise-constant weight path reversible Heun's step-end evaluation reads the left limit
-(docs/design.md section 6), so every step sees one block's weights, at the price of two field
+(docs/design-math.md section 6), so every step sees one block's weights, at the price of two field
 evaluations per step; on a linear path (which, at native steps, is what a right-continuous step
 end would compute) consecutive steps share one evaluation, but each step mixes two blocks. ALF
 evaluates once per step, at its midpoint, with v_0 = 0 (the default) or v_0 = F(t_0, z_0) (one more

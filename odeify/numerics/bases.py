@@ -1,7 +1,7 @@
 """Weights over depth: linear bases B_k(t) over K knots, with coefficients computed exactly.
 
 A stage with K knots puts knot k at t_k = k/K on t in [0, 1] and sets theta(t) = sum_k B_k(t) theta_k
-(docs/design.md). The coefficients depend only on (basis, K, t), so they are computed once at
+(docs/design-math.md). The coefficients depend only on (basis, K, t), so they are computed once at
 compile time in `fractions.Fraction`: a float time would misplace cell boundaries and the left limits
 that keep a piecewise-constant field inside its cell. No floats appear in this module.
 """

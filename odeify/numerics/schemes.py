@@ -198,7 +198,7 @@ class AsyncLeapfrog(ReversibleScheme):
     piecewise-constant weight path at native steps each step reads exactly its block.
     ``initial_velocity``: v_0 = 0 (``"zero"``, the default: no extra evaluation, and at native
     steps the first step is the first block's own Euler step) or v_0 = F(t_0, z_0) (``"field"``,
-    MALI's choice: one more evaluation per stage). docs/design.md section 7 has the measurements
+    MALI's choice: one more evaluation per stage). benchmarks/results/design_notes.md has the measurements
     behind the default.
     """
 

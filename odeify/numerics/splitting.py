@@ -10,7 +10,7 @@ weights at times in that interval, which makes Strang splitting of the time-depe
 second order (it is Strang splitting of the autonomous system with one clock per sub-field).
 
 - ``lie_trotter``: F_1, ..., F_p, one full Euler sub-step each; first order; the network at native
-  depth (docs/design.md, "Split stages").
+  depth (docs/split-stages.md).
 - ``strang``: F_1 .. F_{p-1} half sub-steps, F_p a full one, then F_{p-1} .. F_1 half sub-steps
   over the step's second half (half attention, full MLP, half attention: Lu et al. 2019's Macaron
   form), each sub-step by the explicit midpoint rule so that the composition is second order.

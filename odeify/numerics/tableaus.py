@@ -3,7 +3,7 @@
 Step code reads a `Tableau` (or a reversible scheme, :mod:`odeify.numerics.schemes`) instead of
 hard-coding each method, so a user tableau runs through the same path as the built-ins.
 Coefficients are `fractions.Fraction` so the stage times c_i are exact and the step code can decide
-exactly when a stage sits on a step's end (docs/design.md, "Stage times at a step's end").
+exactly when a stage sits on a step's end (docs/design-math.md, "Left limits at a step's end").
 """
 
 from __future__ import annotations
