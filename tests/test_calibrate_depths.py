@@ -1,0 +1,173 @@
+"""Calibration for several depths at once: one set of knots fitted so that every listed depth
+matches the source network, and the one rule by which calibration refuses a model.
+
+The oracles: the single-depth calibration (bit for bit), the source network's own output (a model
+calibrated for a depth must come nearer it there than one that was not), a second run (determinism)
+and ``odeify.retarget``'s own step counts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import odeify
+from odeify.core.errors import ConfigError
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.digits import digits_resnet
+from odeify.train.calibration import calibrate
+from odeify.train.datasets import open_data
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def native() -> nn.Module:
+    """The shipped digits ResNet (trained; stages of 4 and 3 blocks), converted."""
+    return odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
+
+
+@pytest.fixture(scope="module")
+def images(native: nn.Module) -> torch.Tensor:
+    """32 digits of the training split to fit on."""
+    return open_data("digits", native).train.tensors[0][:32]
+
+
+@pytest.fixture(scope="module")
+def held_out(native: nn.Module) -> torch.Tensor:
+    """64 digits of the validation split, never fitted on."""
+    return open_data("digits", native).val.tensors[0][:64]
+
+
+def _output_error(model: nn.Module, source: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        exact = source(x).double()
+        return float((model(x).double() - exact).norm() / exact.norm())
+
+
+def _steps(model: nn.Module) -> list[int]:
+    return [s.steps for s in odeify.converted_stages(model)]
+
+
+def test_one_depth_list_is_todays_calibration_bit_for_bit(native: nn.Module, images: torch.Tensor) -> None:
+    """steps=[the depth the model runs at], written as a multiplier or as a per-stage dict, gives the
+    same tensors and the same residuals as a calibration without steps."""
+    coarse = odeify.retarget(native, steps="x0.5")
+    today, report = calibrate(coarse, images, iterations=6, progress=False)
+    names = [s.stage_name for s in odeify.converted_stages(coarse)]
+    for steps in (["x0.5"], [dict(zip(names, _steps(coarse), strict=True))]):
+        listed, listed_report = calibrate(coarse, images, steps=steps, iterations=6, progress=False)
+        mine, theirs = today.state_dict(), listed.state_dict()
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[key], theirs[key]) for key in mine), steps
+        for a, b in zip(report.stages, listed_report.stages, strict=True):
+            assert (a.before, a.after, a.output) == (b.before, b.after, b.output)
+            assert [(d.before, d.after, d.output) for d in b.depths] == [(a.before, a.after, a.output)]
+
+
+def test_two_depths_bring_each_nearer_its_source(
+    native: nn.Module, images: torch.Tensor, held_out: torch.Tensor
+) -> None:
+    """Calibrated for native and x0.5 at once: at x0.5 the held-out output is nearer the source's
+    than uncalibrated; at native nearer than the file calibrated for x0.5 alone (which drifts away
+    there); the report gives each depth's residual before and after, and each stage the step counts
+    it was fitted for."""
+    coarse = odeify.retarget(native, steps="x0.5")
+    alone, _ = calibrate(coarse, images, iterations=30, progress=False)
+    both, report = calibrate(coarse, images, steps=["native", "x0.5"], iterations=30, progress=False)
+    assert _steps(both) == _steps(coarse)  # the model keeps the depth it runs at
+    assert report.depths == ["native", "x0.5"]
+    for fit in report.stages:
+        at = {d.depth: d for d in fit.depths}
+        assert list(at) == ["native", "x0.5"]
+        assert at["x0.5"].after < at["x0.5"].before, str(report)
+        assert at["x0.5"].steps < at["native"].steps
+    assert report.stages[0].depths[0].before == 0.0  # the first stage's input is exact at native
+    assert "at native (4 steps) residual 0.0000 ->" in str(report)
+    assert _output_error(both, native, held_out) < _output_error(coarse, native, held_out)
+    with warnings.catch_warnings():  # "alone" was not fitted for native: that is what is measured
+        warnings.simplefilter("ignore")
+        at_native = [odeify.retarget(m, steps="native") for m in (both, alone)]
+    assert _output_error(at_native[0], native, held_out) < _output_error(at_native[1], native, held_out)
+    for stage, source in zip(odeify.converted_stages(both), odeify.converted_stages(native), strict=True):
+        assert stage.fitted_steps == tuple(sorted({source.depth, round(source.depth / 2)}))
+
+
+def test_deterministic_for_a_seed(native: nn.Module, images: torch.Tensor) -> None:
+    steps = ["native", "x0.5", "x0.25"]
+    runs = [
+        calibrate(native, images, steps=steps, iterations=4, seed=s, progress=False)[0] for s in (3, 3, 4)
+    ]
+    first, same, other = (dict(run.named_parameters()) for run in runs)
+    assert all(torch.equal(first[n], same[n]) for n in first)
+    assert any(not torch.equal(first[n], other[n]) for n in first)
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ([], "list of depths"),
+        (2.5, "list of depths"),
+        (["native", "x1"], "one depth twice"),
+        (["x0.5", "y2"], "multiplier"),
+        ([{"nope": 1}], "do not exist"),
+    ],
+)
+def test_bad_depth_lists_are_refused(
+    native: nn.Module, images: torch.Tensor, steps: object, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        calibrate(native, images, steps=steps, progress=False)
+
+
+def test_native_depth_alone_has_nothing_to_fit(native: nn.Module, images: torch.Tensor) -> None:
+    """A coarse file asked to fit only native, where it computes its source, is refused as a native
+    file is; the message names a depth to ask for."""
+    coarse = odeify.retarget(native, steps="x0.5")
+    with pytest.raises(ConfigError, match=r"nothing to fit: at depth native .*steps=\['x0.5'\]"):
+        calibrate(coarse, images, steps=["native"], progress=False)
+
+
+# --- issue 49: one rule for what calibration refuses ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_block() -> nn.Module:
+    """A digits ResNet whose two stages have one block each (random weights), converted."""
+    torch.manual_seed(0)
+    return odeify.convert(digits_resnet(layers=(1, 2)).eval())
+
+
+def test_case_10_a_file_that_computes_its_source_is_refused_whatever_its_knots(
+    one_block: nn.Module, images: torch.Tensor
+) -> None:
+    """Native steps and knots, or two knots of one-block stages (which read as the block): both
+    compute the source exactly, so both are refused for the same reason; nothing is written."""
+    assert [s.depth for s in odeify.converted_stages(one_block)] == [1, 1]
+    two_knots = odeify.retarget(one_block, knots=2)
+    with torch.no_grad():
+        assert torch.equal(two_knots(images), one_block(images))
+    for model in (two_knots, one_block):
+        with pytest.raises(ConfigError, match="nothing to fit.*Every stage has one block"):
+            calibrate(model, images, progress=False)
+
+
+def test_case_9_retarget_calibrate_of_one_block_stages_says_why(
+    one_block: nn.Module, tmp_path: Path, capsys
+) -> None:
+    """``odeify retarget FILE --steps x0.5 --calibrate DIR`` on one-block stages: refused (exit 2)
+    with the reason, not with a suggestion to run the command just run; nothing written."""
+    from odeify.cli.parser import main
+
+    odeify.save(one_block, tmp_path / "one.safetensors")
+    out = tmp_path / "half.safetensors"
+    args = ["retarget", str(tmp_path / "one.safetensors"), "-o", str(out), "--steps", "x0.5"]
+    assert main([*args, "--calibrate", "digits", "--calibrate-images", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "one block" in err, err
+    assert "--steps x0.5 --calibrate" not in err, err
+    assert not out.exists()
