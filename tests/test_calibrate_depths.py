@@ -148,7 +148,9 @@ def test_case_10_a_file_that_computes_its_source_is_refused_whatever_its_knots(
     """Native steps and knots, or two knots of one-block stages (which read as the block): both
     compute the source exactly, so both are refused for the same reason; nothing is written."""
     assert [s.depth for s in odeify.converted_stages(one_block)] == [1, 1]
-    two_knots = odeify.retarget(one_block, knots=2)
+    with warnings.catch_warnings():  # more knots than blocks: said, and what this case is about
+        warnings.simplefilter("ignore")
+        two_knots = odeify.retarget(one_block, knots=2)
     with torch.no_grad():
         assert torch.equal(two_knots(images), one_block(images))
     for model in (two_knots, one_block):
@@ -171,3 +173,81 @@ def test_case_9_retarget_calibrate_of_one_block_stages_says_why(
     assert "one block" in err, err
     assert "--steps x0.5 --calibrate" not in err, err
     assert not out.exists()
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def test_command_line_takes_a_set_of_depths(native: nn.Module, tmp_path: Path, capsys) -> None:
+    """--calibrate-steps-set, comma-separated and repeated, on both commands that calibrate: the
+    file written is the Python call's for the same depths, and the report names each depth."""
+    from odeify.cli.parser import main
+
+    odeify.save(native, tmp_path / "native.safetensors")
+    odeify.save(odeify.retarget(native, steps="x0.5"), tmp_path / "half.safetensors")
+    flags = ["--calibrate-images", "16", "--calibrate-steps", "3", "--calibrate-steps-set", "native,x0.5"]
+    a = [
+        "calibrate",
+        str(tmp_path / "half.safetensors"),
+        "--data",
+        "digits",
+        "-o",
+        str(tmp_path / "a.safetensors"),
+    ]
+    assert main([*a, *flags, "--calibrate-steps-set", "x0.25"]) == 0
+    assert "at x0.25 (1 step)" in capsys.readouterr().err
+    assert main(["retarget", str(tmp_path / "native.safetensors"), "-o", str(tmp_path / "b.safetensors"),
+                 "--steps", "x0.5", "--calibrate", "digits", *flags]) == 0  # fmt: skip
+    half = odeify.retarget(native, steps="x0.5")
+    expected = {
+        name: calibrate(half, "digits", steps=steps, images=16, iterations=3, progress=False)[0]
+        for name, steps in (("a", ["native", "x0.5", "x0.25"]), ("b", ["native", "x0.5"]))
+    }
+    x = open_data("digits", native).val.tensors[0][:8]
+    with torch.no_grad():
+        for name, model in expected.items():
+            assert torch.equal(odeify.load(tmp_path / f"{name}.safetensors")(x), model(x)), name
+    assert main(["calibrate", "--help"]) == 0
+    assert "--calibrate-steps-set" in capsys.readouterr().out
+
+
+def _student(source: nn.Module) -> nn.Module:
+    """The digits ResNet with blocks dropped (stages of 2 and 2 blocks of its 4 and 3), the kept
+    blocks' weights the source's: the comparison a user makes, as the compression benchmark's
+    layer-drop row builds it."""
+    keep = {"layer1": [0, 2], "layer2": [0, 1, 3]}
+    student = digits_resnet(layers=(2, 3)).eval()
+    state = source.state_dict()
+    mine = {}
+    for key in student.state_dict():
+        parts = key.split(".")
+        if parts[0] in keep:
+            parts[1] = str(keep[parts[0]][int(parts[1])])
+        mine[key] = state[".".join(parts)]
+    student.load_state_dict(mine)
+    return odeify.convert(student)
+
+
+def test_case_13_command_line_calibrates_a_student_against_its_source(
+    native: nn.Module, tmp_path: Path, capsys
+) -> None:
+    """``odeify calibrate STUDENT --source FILE``: the file is the Python call's with source=; the
+    student alone is refused as a native file, with a message that names --source."""
+    from odeify.cli.parser import main
+
+    student = _student(odeify.load_model(DEFAULT_MODEL_PATH))
+    odeify.save(student, tmp_path / "student.safetensors")
+    odeify.save(odeify.retarget(native, steps="x0.5"), tmp_path / "half.safetensors")  # keeps the source
+    common = ["--data", "digits", "--calibrate-images", "16", "--calibrate-steps", "4"]
+    out = tmp_path / "fitted.safetensors"
+    assert main(["calibrate", str(tmp_path / "student.safetensors"), "-o", str(out), *common,
+                 "--source", str(tmp_path / "half.safetensors")]) == 0  # fmt: skip
+    expected, report = calibrate(student, "digits", images=16, iterations=4, source=native, progress=False)
+    assert all(fit.fitted and fit.after < fit.before for fit in report.stages), str(report)
+    x = open_data("digits", native).val.tensors[0][:8]
+    with torch.no_grad():
+        assert torch.equal(odeify.load(out)(x), expected(x))
+    capsys.readouterr()
+    assert main(["calibrate", str(tmp_path / "student.safetensors"), "-o", str(tmp_path / "no.safetensors"),
+                 *common]) == 2  # fmt: skip
+    assert "--source FILE" in capsys.readouterr().err

@@ -491,5 +491,14 @@ def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) ->
     group.add_argument(
         "--calibrate-seconds", type=positive_float, metavar="S", help="time budget of the fit (default: none)"
     )
+    group.add_argument(
+        "--calibrate-steps-set",
+        type=list_of(steps),
+        action="append",
+        metavar="DEPTHS",
+        help="fit one set of knots for several depths at once, each as --steps takes it: "
+        "'native,x0.5,x0.25' (comma-separated or repeated); the file keeps its own depth (default: "
+        "that depth alone)",
+    )
     objective_argument(group)
     group.add_argument("--seed", type=seed, default=0, help="which images and batches (default 0)")

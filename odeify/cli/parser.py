@@ -77,6 +77,8 @@ examples:
 examples:
   odeify calibrate half.safetensors --data digits -o half_cal.safetensors
   odeify calibrate lin2.safetensors --data ~/data/pets --calibrate-images 512 -o lin2_cal.safetensors
+  odeify calibrate half.safetensors --data digits -o any.safetensors --calibrate-steps-set native,x0.5,x0.25
+  odeify calibrate student.safetensors --data digits --source digits_ode.safetensors -o fitted.safetensors
 """,
     "finetune": """\
 examples:
@@ -292,6 +294,12 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
     calibrate.add_argument("model", metavar="CONVERTED", help="a file written by odeify retarget -o")
     arg.verify_argument(calibrate)
     calibrate.add_argument("-o", "--output", metavar="FILE", required=True, help="where to write the result")
+    calibrate.add_argument(
+        "--source",
+        metavar="FILE",
+        help="a converted file of the network to fit to (its source network is used), for a model built "
+        "with fewer blocks than it, such as a dropped-blocks student (default: the source CONVERTED keeps)",
+    )
     arg.calibration_arguments(calibrate, data_flag="--data")
 
 

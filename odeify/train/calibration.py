@@ -94,7 +94,8 @@ class DepthFit:
 
     def __str__(self) -> str:
         output = f", output residual {self.output[0]:.4f} -> {self.output[1]:.4f}" if self.output else ""
-        return f"at {self.depth} ({self.steps} steps) residual {self.before:.4f} -> {self.after:.4f}{output}"
+        steps = f"{self.steps} step{'s' if self.steps != 1 else ''}"
+        return f"at {self.depth} ({steps}) residual {self.before:.4f} -> {self.after:.4f}{output}"
 
 
 LEFT_AS_SOURCE = "it runs its source stage's blocks as they are"
@@ -360,7 +361,9 @@ def _nothing_to_fit(model: fx.GraphModule, depths: list[_Depth], how: str) -> st
     at += ", ".join(d.label for d in depths if d.label)
     said = (
         f"calibration has nothing to fit: at {at} every stage of this model computes its source stage "
-        f"exactly ({how}), so the calibrated model would be this one."
+        f"exactly ({how}), so the calibrated model would be this one. A model with fewer blocks than "
+        "the network it should match (a dropped-blocks student) is fitted to that network with source= "
+        "(CLI: odeify calibrate --source FILE)."
     )
     if all(s.depth == 1 for s in stages):
         return (
