@@ -24,6 +24,9 @@ _EXPORTS = {
     "converted_stages": "odeify.compiler.conversion",
     "retarget": "odeify.compiler.conversion",
     "set_backward": "odeify.compiler.conversion",
+    "set_steps": "odeify.compiler.conversion",
+    "source_network": "odeify.compiler.source_network",
+    "UnfittedDepthWarning": "odeify.compiler.fitted_depths",
     "verify": "odeify.compiler.conversion",
     "Verification": "odeify.compiler.verification",
     "VerificationError": "odeify.compiler.verification",
@@ -66,7 +69,10 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
     from odeify.compiler.conversion import converted_stages as converted_stages
     from odeify.compiler.conversion import retarget as retarget
     from odeify.compiler.conversion import set_backward as set_backward
+    from odeify.compiler.conversion import set_steps as set_steps
     from odeify.compiler.conversion import verify as verify
+    from odeify.compiler.fitted_depths import UnfittedDepthWarning as UnfittedDepthWarning
+    from odeify.compiler.source_network import source_network as source_network
     from odeify.compiler.verification import Verification as Verification
     from odeify.compiler.verification import VerificationError as VerificationError
     from odeify.core.errors import ConfigError as ConfigError

@@ -25,7 +25,7 @@ from torch import nn
 from odeify.core.budget import check_fit_work, check_knot_bytes
 from odeify.core.errors import ConfigError
 from odeify.ir.fold_records import fold_records
-from odeify.ir.settings import StageRequest, resolve_steps, validate_backward
+from odeify.ir.settings import DepthMultiplier, StageRequest, resolve_steps, validate_backward
 from odeify.ir.source_tensors import record_stage_source
 from odeify.ir.stage_ir import StageIR
 from odeify.numerics.bases import fit_matrix, get_basis, validate_knots
@@ -58,7 +58,9 @@ def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) 
             _change_knots(stage, counts[name], request.basis)
         stage.configure(
             integrator=request.integrator,
-            steps=None if request.steps is None else resolve_steps(request.steps, stage.depth, name),
+            steps=None
+            if request.steps is None
+            else resolve_steps(request.steps, stage.depth, name, request.steps_for_all),
             backward=request.backward,
             checkpoint_every=request.checkpoint_every,
         )
@@ -78,7 +80,17 @@ def check_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]
             f"settings name stage(s) {', '.join(map(repr, unknown))} that this model does not have; "
             f"its stages are: {', '.join(stages)}."
         )
-    return {name: _validated(stages[name], request) for name, request in settings.items()}
+    counts = {name: _validated(stages[name], request) for name, request in settings.items()}
+    _check_multiplier(stages, settings)
+    return counts
+
+
+def _check_multiplier(stages: Mapping[str, StageIR], settings: Mapping[str, StageRequest]) -> None:
+    """Refuse a depth multiplier given for the whole model that would leave every stage as it is."""
+    asked = {request.steps for request in settings.values() if request.steps_for_all}
+    spec = asked.pop() if len(asked) == 1 else None
+    if isinstance(spec, str) and spec.startswith("x") and set(settings) == set(stages):
+        DepthMultiplier.of(spec, {name: stage.depth for name, stage in stages.items()}).check_changes()
 
 
 def refit(stack: torch.Tensor, basis: str, count: int, depth: int) -> torch.Tensor:
@@ -104,7 +116,7 @@ def _validated(stage: StageIR, request: StageRequest) -> int:
         resolve_integrator(request.integrator) if request.integrator is not None else stage.integrator
     )
     if request.steps is not None:
-        resolve_steps(request.steps, stage.depth, stage.stage_name)
+        resolve_steps(request.steps, stage.depth, stage.stage_name, request.steps_for_all)
     backward = request.backward if request.backward is not None else stage.backward
     validate_backward(backward, integrator, stage.stage_name)
     if request.knots is None:
@@ -142,6 +154,8 @@ def _change_knots(stage: StageIR, count: int, basis: str | None) -> None:
     new_basis = get_basis(basis).name if basis is not None else old_basis
     # compression fits with the new basis; refinement evaluates the current weight path
     fit_basis = new_basis if count < old_count else old_basis
+    if count != old_count or new_basis != old_basis:
+        stage.fitted_steps = None  # another weight path: what the knots were fitted for no longer holds
     if count != old_count:
         record_stage_source(stage)  # the blocks' own knots: what the model needs to run its source
     with torch.no_grad():

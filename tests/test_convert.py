@@ -209,15 +209,16 @@ def test_float_steps_are_refused_with_both_spellings(digits_converted, steps: fl
 
 
 def test_steps_spellings(digits_converted) -> None:
-    """An integer (numpy's too) is a step count; 'x<m>' multiplies each stage's depth (rounded, >= 1);
-    a multiplier that gives a stage less than half a step is refused, not rounded up to one."""
+    """An integer (numpy's too) is a step count; 'x<m>' multiplies each stage's depth (rounded, >= 1:
+    for the whole model a stage below one step is clamped to one); a multiplier that gives one named
+    stage less than half a step is refused, not rounded up to one."""
     cases = {3: (3, 3), np.int64(5): (5, 5), "x2": (8, 6), "x2.5": (10, 8), "x0.5": (2, 2), "x0.2": (1, 1)}
-    cases["native"] = (4, 3)
+    cases["native"], cases["x0.01"] = (4, 3), (1, 1)
     for steps, expected in cases.items():
         converted = odeify.retarget(digits_converted, steps=steps)
         assert tuple(s.steps for s in converted_stages(converted)) == expected, steps
     with pytest.raises(ConfigError, match="fewer than one"):
-        odeify.retarget(digits_converted, steps="x0.01")
+        odeify.retarget(digits_converted, steps={"layer1": "x0.01"})
 
 
 def test_stage_dict_with_unknown_name_lists_the_stages(digits, digits_converted) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -39,6 +39,9 @@ from odeify.core.errors import ConfigError
 from odeify.core.fileio import atomic_write_bytes
 from odeify.models.inert_scales import TINY_SCALE, inert_scales
 from odeify.serialization.io import is_converted_file
+
+if TYPE_CHECKING:
+    from odeify.inspection.report import ConversionReport
 
 
 # -- inspect ---------------------------------------------------------------------------------------
@@ -156,6 +159,7 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.code:
             out["code"] = _code_listing(converted)
         print(json.dumps(out, indent=2))
+        _note_multiplier(report)
     else:
         console = tables(args)
         console.print(format_report_table(report))
@@ -176,6 +180,12 @@ def run_convert(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _note_multiplier(report: ConversionReport) -> None:
+    """What a whole-model depth multiplier became, where no table's caption says it."""
+    if report.steps_multiplier is not None:
+        note(report.steps_multiplier.line())
 
 
 def _verify_line(check: dict[str, Any]) -> str:
@@ -234,6 +244,7 @@ def run_retarget(args: argparse.Namespace) -> int:
     if args.json:
         stages = [c.to_dict() for c in changes]
         print(json.dumps({**report.to_dict(), "output": str(output), "changes": stages}, indent=2))
+        _note_multiplier(report)
     else:
         tables(args).print(format_report_table(report))
     for change in changes:

@@ -169,9 +169,12 @@ def load_or_convert(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
 
 
 def in_manifestation(args: argparse.Namespace) -> tuple[fx.GraphModule, str]:
-    """:func:`load_or_convert`, in the manifestation the flags ask for."""
+    """:func:`load_or_convert`, in the manifestation the flags ask for (only --steps: switched in place,
+    the knots neither copied nor refitted)."""
     model, name = load_or_convert(args)
     settings = manifestation(args)
+    if set(settings) == {"steps"}:
+        return odeify.set_steps(model, settings["steps"]), name
     return (odeify.retarget(model, **settings) if settings else model), name
 
 

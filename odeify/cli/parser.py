@@ -374,6 +374,13 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         metavar="EPOCHS",
         help="comma-separated epochs at whose start every stage's knots and steps double (e.g. 2,3)",
     )
+    finetune.add_argument(
+        "--depths",
+        metavar="DEPTHS",
+        help="train one set of knots for several depths, e.g. native,x0.5,x0.25: each batch at one drawn "
+        "at random, every depth validated each epoch, the worst deciding best.safetensors; the file is "
+        "saved at the first and runs at each (odeify eval --steps). A new run first calibrates for all",
+    )
     finetune.add_argument("--seed", type=arg.seed, help="seed of the batch order and RNGs (default 0)")
     finetune.add_argument(
         "--log-interval",

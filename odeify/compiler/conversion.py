@@ -1,11 +1,11 @@
-"""``convert``, ``retarget``, ``set_backward`` and ``verify``: the public rewrite from a residual
-network to ODE stages, and its check.
+"""``convert``, ``retarget``, ``set_steps``, ``set_backward`` and ``verify``: the public rewrite from a
+residual network to ODE stages, and its check.
 
 Each checks its arguments where they enter, then runs pipelines of :mod:`odeify.compiler.pipelines`:
 ``convert`` runs CONVERT at the native manifestation on a copy of the source, measures it against the
 source (:mod:`odeify.compiler.verification`) and runs REMANIFEST for the requested manifestation;
-``retarget`` runs REMANIFEST on a copy of the converted model, ``set_backward`` on the model itself
-(its parameters stay the same objects).
+``retarget`` runs REMANIFEST on a copy of the converted model, ``set_steps`` and ``set_backward`` on
+the model itself (its parameters stay the same objects: switching the depth copies no knot).
 """
 
 from __future__ import annotations
@@ -18,12 +18,21 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.compiler.analysis import input_shape_for, resolve_model, validate_leaf_modules
+from odeify.compiler.fitted_depths import warn_unfitted_depth
+from odeify.compiler.knot_refinement import warn_refined_knots
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT, REMANIFEST
 from odeify.compiler.record import META
 from odeify.compiler.verification import NotOneTensor, Verification, VerificationError, measure
 from odeify.core.errors import ConfigError
-from odeify.ir.settings import BACKWARD_MODES, DEFAULTS, StageRequest, parse_steps, validate_backward
+from odeify.ir.settings import (
+    BACKWARD_MODES,
+    DEFAULTS,
+    DepthMultiplier,
+    StageRequest,
+    parse_steps,
+    validate_backward,
+)
 from odeify.numerics.bases import get_basis
 from odeify.numerics.tableaus import resolve_integrator
 from odeify.passes.manifest import check_manifestation
@@ -111,7 +120,10 @@ def convert(
         if requested != DEFAULTS:
             settings = _settings(requested, fill=True)
             job = Job(gm=gm, settings_for=settings, whole_model=_whole_model(backward, False))
+            native = {stage.stage_name: stage.num_knots for stage in converted_stages(gm)}
             gm = REMANIFEST.run(job).gm
+            _record_steps(gm, steps)
+            warn_refined_knots(native, gm)
     gm = guard_input_dtype(gm).train(training)
     if check is not None and not check.passed:
         raise VerificationError(check, gm)
@@ -132,6 +144,19 @@ def _record_verification(
 
 def _record_skipped(gm: fx.GraphModule, reason: str) -> None:
     gm.meta[META].update(verification=None, verification_skipped_because=reason)
+
+
+def _record_steps(gm: fx.GraphModule, steps: object) -> None:
+    """Record what a whole-model depth multiplier became (``["steps_multiplier"]``, a
+    :class:`~odeify.ir.settings.DepthMultiplier` as a dict); any other steps request drops an older one."""
+    if steps is None:
+        return
+    record = gm.meta[META]
+    if isinstance(steps, str) and steps.startswith("x"):
+        depths = {stage.stage_name: stage.depth for stage in converted_stages(gm)}
+        record["steps_multiplier"] = DepthMultiplier.of(steps, depths).to_dict()
+    else:
+        record.pop("steps_multiplier", None)
 
 
 def verify(converted: nn.Module, source: nn.Module, input_size: Sequence[int] | None = None) -> Verification:
@@ -177,7 +202,32 @@ def retarget(
     settings = _settings({k: v for k, v in requested.items() if v is not None}, fill=False)
     job = Job(gm=copy.deepcopy(converted), settings_for=settings)
     job.whole_model = _whole_model(backward, has_segments(converted))
-    return guard_input_dtype(REMANIFEST.run(job).gm)
+    gm = guard_input_dtype(REMANIFEST.run(job).gm)
+    _record_steps(gm, steps)
+    warn_refined_knots({s.stage_name: s.num_knots for s in converted_stages(converted)}, gm)
+    if steps is not None:
+        warn_unfitted_depth(gm)
+    return gm
+
+
+def set_steps(converted: fx.GraphModule, steps: StepsSpec) -> fx.GraphModule:
+    """Switch the depth of all stages (one spec) or some ({stage: spec}) **in place**; returns the model.
+
+    ``steps`` as :func:`retarget` takes it: a count, ``"native"`` or a multiplier such as ``"x0.5"``.
+    Only the emitted graphs change: the knots stay the same tensors (no copy, no refit), so one file
+    serves every depth, and an optimizer built before keeps training them. A refused spec changes
+    nothing. Warns (:class:`~odeify.compiler.fitted_depths.UnfittedDepthWarning`) where a stage then
+    runs at a depth its knots were not calibrated or fine-tuned for.
+    """
+    check_converted(converted, "set_steps")
+    _check_values(steps, parse_steps)
+    settings = _settings({"steps": steps}, fill=False)
+    check_manifestation(converted, settings([s.stage_name for s in converted_stages(converted)]))
+    job = Job(gm=converted, settings_for=settings, whole_model=has_segments(converted))
+    gm = REMANIFEST.run(job).gm
+    _record_steps(gm, steps)
+    warn_unfitted_depth(gm)
+    return gm
 
 
 def set_backward(converted: fx.GraphModule, backward: str | Mapping[str, str]) -> fx.GraphModule:
@@ -295,8 +345,12 @@ def _settings(requested: Mapping[str, object], fill: bool) -> Settings:
 
     def settings_for(names: list[str]) -> dict[str, StageRequest]:
         per_stage = {key: _per_stage(value, names, key, fill) for key, value in requested.items()}
+        for_all = "steps" in requested and not isinstance(requested["steps"], Mapping)
         return {
-            name: StageRequest(**{k: v[name] for k, v in per_stage.items() if name in v}) for name in names
+            name: StageRequest(
+                **{k: v[name] for k, v in per_stage.items() if name in v}, steps_for_all=for_all
+            )
+            for name in names
         }
 
     return settings_for

@@ -8,10 +8,13 @@ teacher of fine-tuning, the target of calibration, and what a saved file's probe
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 
 from odeify.compiler.conversion import converted_stages, retarget
+from odeify.compiler.fitted_depths import UnfittedDepthWarning
 from odeify.core.errors import ConfigError
 from odeify.ir.source_tensors import drop_sources, source_values, stage_source
 
@@ -38,7 +41,8 @@ def unknown_source(model: fx.GraphModule) -> str | None:
 
 
 def source_network(model: fx.GraphModule) -> fx.GraphModule:
-    """The network ``model`` was converted from, as a converted model at native depth, in eval mode.
+    """The network ``model`` was converted from, as a converted model at native depth, in eval mode
+    (``odeify.source_network(model)``: what a calibrated or fine-tuned file gives back of its source).
 
     Built from the source tensors ``model`` keeps (its blocks' knots while its own are compressed
     or refined, the values fine-tuning started from), so retargeting, compressing or fine-tuning the
@@ -47,7 +51,9 @@ def source_network(model: fx.GraphModule) -> fx.GraphModule:
     why = unknown_source(model)
     if why is not None:
         raise ConfigError(f"the model's source network is not known: {why}. Pass a teacher, or distill=0.")
-    teacher = retarget(model, integrator="euler", steps="native", knots="native", backward="backprop")
+    with warnings.catch_warnings():  # its knots are about to become the source's: fitted at native
+        warnings.simplefilter("ignore", UnfittedDepthWarning)
+        teacher = retarget(model, integrator="euler", steps="native", knots="native", backward="backprop")
     sources = {stage.stage_name: stage_source(stage) for stage in converted_stages(model)}
     values = source_values(model)
     with torch.no_grad():
@@ -59,4 +65,6 @@ def source_network(model: fx.GraphModule) -> fx.GraphModule:
         for name, value in values.items():
             tensors[name].copy_(value)
     drop_sources(teacher)
+    for stage in converted_stages(teacher):
+        stage.fitted_steps = None  # the blocks' own knots
     return teacher.eval().requires_grad_(False)

@@ -20,6 +20,7 @@ from odeify.compiler.record import META
 from odeify.core.errors import ConfigError
 from odeify.ir.fold_records import fold_records
 from odeify.ir.plan import Plan
+from odeify.ir.settings import DepthMultiplier
 
 FORM_NAMES = {"post": "post-activation", "pre": "pre-activation"}
 
@@ -51,6 +52,7 @@ class ConversionReport:
     parameters_after: int
     not_lifted: tuple[tuple[str, str], ...] = ()
     folded_batchnorm: bool = False  # whether convert folded BatchNorm layers into convolutions
+    steps_multiplier: DepthMultiplier | None = None  # what a whole-model 'x<m>' became, where one was asked
 
     @property
     def nfe(self) -> int:
@@ -74,6 +76,7 @@ class ConversionReport:
             "parameters_after": self.parameters_after,
             "not_lifted": dict(self.not_lifted),
             "folded_batchnorm": self.folded_batchnorm,
+            "steps_multiplier": self.steps_multiplier.to_dict() if self.steps_multiplier else None,
         }
 
 
@@ -108,7 +111,16 @@ def describe(converted: nn.Module, name: str | None = None) -> ConversionReport:
         parameters_after=sum(p.numel() for p in converted.parameters()),
         not_lifted=tuple(meta.get("not_lifted", {}).items()),
         folded_batchnorm=any(fold_records(module) for module in converted.modules()),
+        steps_multiplier=_multiplier(meta, stages),
     )
+
+
+def _multiplier(meta: dict, stages: tuple[StageReport, ...]) -> DepthMultiplier | None:
+    """The recorded whole-model depth multiplier, while the stages still run the steps it gave them."""
+    record = meta.get("steps_multiplier")
+    if record is None or record["steps"] != {s.name: s.steps for s in stages}:
+        return None
+    return DepthMultiplier.from_dict(record)
 
 
 def _text(value: object) -> str:
@@ -185,6 +197,8 @@ def format_report_table(report: ConversionReport) -> Table:
     )
     if report.not_lifted:
         caption += "; not lifted: " + "; ".join(f"{_text(n)} ({_text(why)})" for n, why in report.not_lifted)
+    if report.steps_multiplier is not None:
+        caption += f"\n{_text(report.steps_multiplier.line())}"
     table = Table(title=f"{_text(report.model)}: ODE stages", caption=caption, show_footer=True)
     columns = (
         ("stage", "left", "total"),

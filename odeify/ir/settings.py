@@ -24,6 +24,7 @@ __all__ = [
     "BACKWARD_MODES",
     "DEFAULTS",
     "BackwardMode",
+    "DepthMultiplier",
     "StageRequest",
     "StageSettings",
     "StepsSpec",
@@ -162,16 +163,19 @@ def parse_steps(spec: object, stage: str | None = None) -> StepsSpec:
     )
 
 
-def resolve_steps(spec: StepsSpec, depth: int, stage: str) -> int:
+def resolve_steps(spec: StepsSpec, depth: int, stage: str, whole_model: bool = False) -> int:
     """The step count ``spec`` asks of a stage of ``depth`` blocks: 'x<m>' is round(m * depth), >= 1.
 
-    A multiplier that gives fewer than half a step is refused, not rounded up to one."""
+    ``whole_model``: the multiplier was given for every stage at once, so a stage it gives fewer than
+    one step is clamped to one (:func:`depth_multiplier` says which). Given for one named stage, a
+    multiplier that rounds below one step is refused: that stage was asked for something it cannot take.
+    """
     spec = parse_steps(spec, stage)
     if spec == "native":
         return depth
     if isinstance(spec, str):
         exact = Fraction(spec[1:]) * depth
-        if exact < Fraction(1, 2):
+        if exact < Fraction(1, 2) and not whole_model:
             raise ConfigError(
                 f"steps={spec!r} gives stage '{stage}' ({depth} blocks) {float(exact):.3g} steps: fewer "
                 f"than one, which would be rounded up to 1 step. Ask for steps=1 (--steps 1), or a "
@@ -182,11 +186,72 @@ def resolve_steps(spec: StepsSpec, depth: int, stage: str) -> int:
 
 
 @dataclass(frozen=True)
+class DepthMultiplier:
+    """What a whole-model depth multiplier became: each stage's steps, and the stages clamped to one.
+
+    Recorded on the model (``gm.meta["odeify"]["steps_multiplier"]``) and printed by the CLI and the
+    report, since 'x0.33' of a 2-block stage is 1 step, not a third of it.
+    """
+
+    asked: str
+    depths: dict[str, int]
+    steps: dict[str, int]
+    clamped: tuple[str, ...]
+
+    @classmethod
+    def of(cls, spec: str, depths: dict[str, int]) -> DepthMultiplier:
+        """The multiplier ``spec`` applied to stages of ``depths`` blocks."""
+        steps = {name: resolve_steps(spec, depth, name, whole_model=True) for name, depth in depths.items()}
+        clamped = tuple(n for n, d in depths.items() if round(Fraction(spec[1:]) * d) < 1)
+        return cls(spec, dict(depths), steps, clamped)
+
+    def check_changes(self) -> None:
+        """Refuse a multiplier below x1 that gives every stage its own depth: it asks for fewer steps and
+        would change nothing (above x1 a stage that rounds back is a retarget warning)."""
+        if Fraction(self.asked[1:]) >= 1 or self.steps != self.depths:
+            return
+        if set(self.depths.values()) == {1}:
+            why = "every stage has one block, and a stage takes at least one step"
+            fix = "keep native steps (leave steps out), or a number to step more finely (--steps 2, steps=2)"
+        else:
+            why = "it rounds back to each stage's block count (a stage takes whole steps)"
+            fix = "ask for a smaller multiplier (e.g. 'x0.5') or a number of steps (--steps 1, steps=1)"
+        blocks = ", ".join(f"{n}: {d}" for n, d in self.depths.items())
+        raise ConfigError(f"steps={self.asked!r} changes nothing on this model: {why} ({blocks}); {fix}.")
+
+    def line(self) -> str:
+        """'steps x0.33: 12 blocks -> 5 steps in all (layer1 2 -> 1, ...); clamped to one step: ...'."""
+        per_stage = ", ".join(f"{n} {self.depths[n]} -> {s}" for n, s in self.steps.items())
+        text = (
+            f"steps {self.asked}: {sum(self.depths.values())} blocks -> {sum(self.steps.values())} steps in "
+            f"all ({per_stage})"
+        )
+        if self.clamped:
+            m = Fraction(self.asked[1:])
+            why = ", ".join(f"{float(m * self.depths[n]):.3g} of {self.depths[n]}" for n in self.clamped)
+            text += f"; clamped to one step: {', '.join(self.clamped)} ({self.asked} gives {why})"
+        return text
+
+    def to_dict(self) -> dict:
+        return {
+            "asked": self.asked,
+            "depths": self.depths,
+            "steps": self.steps,
+            "clamped": list(self.clamped),
+        }
+
+    @classmethod
+    def from_dict(cls, record: dict) -> DepthMultiplier:
+        return cls(record["asked"], dict(record["depths"]), dict(record["steps"]), tuple(record["clamped"]))
+
+
+@dataclass(frozen=True)
 class StageRequest:
     """What a pipeline asks of one stage; None keeps the stage's current value.
 
     ``knots`` is a count or ``"native"`` (one per block); ``steps`` a :data:`StepsSpec`, resolved
-    against the stage's depth when applied; ``integrator`` a name or a tableau.
+    against the stage's depth when applied; ``integrator`` a name or a tableau. ``steps_for_all``:
+    the steps were given once for every stage, so a multiplier clamps a stage to one step.
     """
 
     knots: int | str | None = None
@@ -195,6 +260,7 @@ class StageRequest:
     steps: StepsSpec | None = None
     backward: str | None = None
     checkpoint_every: int | None = None
+    steps_for_all: bool = False
 
 
 def validate_midpoints(

@@ -85,6 +85,9 @@ class StageIR(nn.Module):
         self.form = form
         self.depth = depth
         self.inlined = False
+        self.fitted_steps: tuple[int, ...] | None = None
+        """The step counts this stage's knots were fitted for (by calibration or fine-tuning at those
+        depths), or None: never fitted, the knots are the blocks' own or a least-squares weight path."""
         self.knots = nn.ParameterDict()
         for slot in self.slots:
             tensor = tensors[slot.name]

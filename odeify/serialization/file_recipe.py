@@ -63,6 +63,7 @@ class StageRecipe:
     steps: int
     backward: str
     checkpoint_every: int
+    fitted_steps: tuple[int, ...] | None = None  # the steps its knots were fitted for; None: never fitted
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Recipe:
     versions: dict[str, str] = field(default_factory=dict)
     whole_model: bool = False  # the parts between the stages are checkpointed segments too
     probe: dict[str, Any] | None = None  # {"seed", "points": [[name, error], ...]}; None in version 1 files
+    steps_multiplier: str | None = None  # the whole-model 'x<m>' the stages' steps came from, if one did
     version: int = FORMAT_VERSION
 
     def to_body(self) -> dict[str, Any]:
@@ -88,6 +90,13 @@ class Recipe:
         }
         if body["probe"] is None:
             del body["probe"]
+        if body["steps_multiplier"] is None:  # written only where asked, so other files stay as before
+            del body["steps_multiplier"]
+        for stage in body["stages"]:  # written only where known, so files of unfitted models stay as before
+            if stage["fitted_steps"] is None:
+                del stage["fitted_steps"]
+            else:
+                stage["fitted_steps"] = list(stage["fitted_steps"])
         return body
 
     def to_json(self) -> str:
@@ -128,7 +137,16 @@ def recipe_of(model: nn.Module, probe: dict[str, Any] | None = None) -> Recipe:
         versions={"odeify": odeify_version(), "torch": torch.__version__, "timm": timm.__version__},
         whole_model=has_segments(model),
         probe=probe,
+        steps_multiplier=_multiplier_asked(record, stages),
     )
+
+
+def _multiplier_asked(record: Mapping[str, Any], stages: list[ODEStage]) -> str | None:
+    """The recorded whole-model depth multiplier, while the stages still run the steps it gave them."""
+    multiplier = record.get("steps_multiplier")
+    if multiplier is None or multiplier["steps"] != {s.stage_name: s.steps for s in stages}:
+        return None
+    return str(multiplier["asked"])
 
 
 def _stage_recipe(stage: Any, module: str) -> StageRecipe:
@@ -160,6 +178,7 @@ def _stage_recipe(stage: Any, module: str) -> StageRecipe:
         steps=stage.steps,
         backward=stage.backward,
         checkpoint_every=getattr(stage, "checkpoint_every", 1),
+        fitted_steps=getattr(stage, "fitted_steps", None),
     )
 
 

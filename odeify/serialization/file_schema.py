@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
-from odeify.core.errors import ModelLoadError
+from odeify.core.errors import ConfigError, ModelLoadError
 from odeify.core.fileio import read_json
 from odeify.core.limits import (
     MAX_BATCH,
@@ -33,7 +33,7 @@ from odeify.core.limits import (
     MAX_TABLEAU_ORDER,
     MAX_TABLEAU_STAGES,
 )
-from odeify.ir.settings import BACKWARD_MODES
+from odeify.ir.settings import BACKWARD_MODES, parse_steps
 from odeify.models.archs import check_arch_name, check_file_kwargs
 from odeify.models.data_config import check_data_config
 from odeify.numerics.bases import BASES, MAX_KNOTS
@@ -53,6 +53,7 @@ __all__ = ["PROBE_OUTPUT", "PROBE_SOURCE", "RecipeError", "parse_recipe", "valid
 PROBE_OUTPUT = "output"  # the probe point of the whole model's output (the others are stage names)
 PROBE_SOURCE = "source:output"  # its source network's output (format 3; no stage name has a ':')
 _DIGITS = MAX_TABLEAU_DIGITS
+MAX_FITTED_DEPTHS = 16  # depths one set of knots is fitted for: a few (native, x0.5, x0.25), not a sweep
 _RATIONAL = re.compile(rf"-?\d{{1,{_DIGITS}}}(/\d{{1,{_DIGITS}}})?")  # how Fraction prints; no exponents
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STAGE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
@@ -100,6 +101,7 @@ def validate_recipe(body: object) -> Recipe:
         versions=_versions(body.get("versions", {})),  # type: ignore[union-attr]
         whole_model=_flag(body.get("whole_model", False), "whole_model"),  # type: ignore[union-attr]
         probe=_probe(body.get("probe"), stages, version) if version >= 2 else None,  # type: ignore[union-attr]
+        steps_multiplier=_steps_multiplier(body.get("steps_multiplier")),  # type: ignore[union-attr]
         version=version,
     )
 
@@ -137,6 +139,19 @@ def _version(body: Mapping[str, Any]) -> int:
         )
     _expect(version in READS, f"unknown format version {version}: odeify's formats are numbered from 1")
     return version
+
+
+def _steps_multiplier(value: object) -> str | None:
+    """Absent, or a depth multiplier as --steps takes it ('x0.5')."""
+    if value is None:
+        return None
+    ok = isinstance(value, str) and value.startswith("x")
+    try:
+        ok = ok and parse_steps(value) == value
+    except ConfigError:
+        ok = False
+    _expect(ok, f"steps_multiplier must be a depth multiplier such as 'x0.5', not {value!r:.40}")
+    return value  # type: ignore[return-value]
 
 
 def _flag(value: object, what: str) -> bool:
@@ -182,13 +197,27 @@ def _input_shape(value: object) -> tuple[int, ...]:
     return tuple(value)  # type: ignore[arg-type]
 
 
+def _fitted_steps(value: object, at: str) -> tuple[int, ...] | None:
+    """A stage's fitted step counts: absent, or a sorted list of distinct step counts."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and 1 <= len(value) <= MAX_FITTED_DEPTHS
+    ok = ok and all(_is_int(v, 1, MAX_STEPS) for v in value) and value == sorted(set(value))
+    _expect(ok, f"{at}: fitted_steps must be a sorted list of 1 to {MAX_FITTED_DEPTHS} distinct step counts")
+    return tuple(value)  # type: ignore[arg-type]
+
+
 def _stages(value: object) -> tuple[StageRecipe, ...]:
     _expect(isinstance(value, list) and 1 <= len(value) <= MAX_STAGES, f"stages: a list of 1 to {MAX_STAGES}")
     keys = {f.name for f in fields(StageRecipe)}
+    optional = {"fitted_steps"}
     stages = []
     for i, entry in enumerate(value):  # type: ignore[arg-type]
         at = f"stage {i}"
-        _expect(isinstance(entry, dict) and set(entry) == keys, f"{at}: a stage has the keys {sorted(keys)}")
+        _expect(
+            isinstance(entry, dict) and keys - optional <= set(entry) <= keys,
+            f"{at}: a stage has the keys {sorted(keys - optional)} (and may have {sorted(optional)})",
+        )
         name = entry["name"]
         ok = isinstance(name, str) and len(name) <= 100 and bool(_STAGE_NAME.fullmatch(name))
         _expect(ok, f"{at}: a stage name is a module path of Python names like 'layer1', not {name!r:.60}")
@@ -204,6 +233,7 @@ def _stages(value: object) -> tuple[StageRecipe, ...]:
         _choice(entry["basis"], BASES, f"{at}: basis")
         _choice(entry["backward"], BACKWARD_MODES, f"{at}: backward")
         _integrator(entry["integrator"], at)
+        entry = {**entry, "fitted_steps": _fitted_steps(entry.get("fitted_steps"), at)}
         stages.append(StageRecipe(**entry))
     names = [s.name for s in stages]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.compiler.conversion import check_materialized, guard_input_dtype
+from odeify.compiler.conversion import check_materialized, converted_stages, guard_input_dtype
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT
 from odeify.compiler.record import META
@@ -45,7 +45,7 @@ from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.core.fileio import atomic_write_bytes, read_header, read_tensors
 from odeify.core.paths import MODEL_SUFFIX, input_file, output_file
 from odeify.ir.fold_records import FOLDS, drop_fold_records, fold_records
-from odeify.ir.settings import StageRequest
+from odeify.ir.settings import DepthMultiplier, StageRequest
 from odeify.ir.source_tensors import attach_sources, drop_sources
 from odeify.models.archs import build_arch
 from odeify.models.timm_interface import ConvertedModel
@@ -166,6 +166,8 @@ def load(
     _check_tensors(converted, state, path)
     converted.load_state_dict(state, strict=True)
     check_fold_records(converted, source, path)
+    _restore_fitted_steps(converted, recipe)
+    _restore_multiplier(converted, recipe)
     if recipe.pretrained_cfg:
         converted.pretrained_cfg = {**converted.pretrained_cfg, **recipe.pretrained_cfg}
     _check_probe_present(recipe, path, verify)  # after the checks that name what else is wrong
@@ -179,6 +181,21 @@ def load(
             stacklevel=2,
         )
     return converted.eval()
+
+
+def _restore_fitted_steps(converted: nn.Module, recipe: Recipe) -> None:
+    """Give each stage the steps its knots were fitted for, as recorded (rebuilding resets them)."""
+    fitted = {entry.name: entry.fitted_steps for entry in recipe.stages}
+    for stage in converted_stages(converted):
+        stage.fitted_steps = fitted[stage.stage_name]
+
+
+def _restore_multiplier(converted: fx.GraphModule, recipe: Recipe) -> None:
+    """Record what the file's whole-model depth multiplier became, as convert and retarget do."""
+    if recipe.steps_multiplier is not None:
+        depths = {stage.stage_name: stage.depth for stage in converted_stages(converted)}
+        multiplier = DepthMultiplier.of(recipe.steps_multiplier, depths)
+        converted.meta[META]["steps_multiplier"] = multiplier.to_dict()
 
 
 def is_converted_file(path: str | os.PathLike[str]) -> bool:

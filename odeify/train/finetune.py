@@ -72,6 +72,13 @@ from odeify.ir.source_tensors import record_source
 from odeify.serialization.io import save
 from odeify.train.calibration import calibrate, check_objective
 from odeify.train.datasets import LabelledData, check_data, make_loader
+from odeify.train.depths import (
+    DepthPlan,
+    batch_depths,
+    depths_line,
+    mark_trained_depths,
+    validation_at_depths,
+)
 from odeify.train.distributed import Processes, start_processes, stop_processes
 from odeify.train.fingerprint import check_fingerprint, run_fingerprint
 from odeify.train.manifestations import (
@@ -112,7 +119,7 @@ from odeify.train.state import (
     write_state,
 )
 from odeify.train.state_schema import StateError, check_tensors
-from odeify.train.trainer import Trainer, reseed, stage_shape, validate, validation
+from odeify.train.trainer import Trainer, reseed, stage_shape, validate
 
 __all__ = [
     "BEST_FILE",
@@ -217,20 +224,25 @@ def finetune(
         loader, val_loader, batches = _loaders(data, recipe, seed, procs, workers, max_batches)
         _log_start(model, data, procs)
         model = model.to(procs.device)
+        plan = DepthPlan.of(model, recipe.depths) if recipe.depths is not None else None
         if calibrate_first and not resume:
-            _calibrate_in_place(model, data, seed, procs, calibrate_objective)
+            _calibrate_in_place(model, data, seed, procs, calibrate_objective, plan)
+        mark_trained_depths(model, plan)
         trainer = Trainer(model, recipe, procs, batches * recipe.epochs, teacher)
         if resume:
             history = _resume(trainer, require_folder(folder), run, refine_epochs, started_from)
         else:
-            history = _begin(trainer, val_loader, folder)
+            history = _begin(trainer, val_loader, folder, plan)
         for epoch in range(len(history), recipe.epochs + 1):
             if epoch in refine_epochs:
                 _refine(trainer, epoch)
             reseed(seed, epoch, procs.rank)
             loader.sampler.set_epoch(epoch)
-            record = trainer.train_epoch(loader, batches, epoch, progress and procs.is_main, log_interval)
-            _validate_epoch(trainer, record, val_loader)
+            switch = batch_depths(trainer, plan, seed, epoch, batches)
+            record = trainer.train_epoch(
+                loader, batches, epoch, progress and procs.is_main, log_interval, before_batch=switch
+            )
+            _validate_epoch(trainer, record, val_loader, plan)
             history.append(record)
             if folder is not None:
                 trainer.save(folder, epoch, history, run, started_from)
@@ -268,6 +280,9 @@ def _refine(trainer: Trainer, epoch: int) -> None:
     """Double every stage's knots and steps at the start of ``epoch``, and say so."""
     before = stage_shape(trainer.model)
     kept = trainer.replace_model(refine(trainer.model))
+    mark_trained_depths(trainer.model, None)  # refined knots: the new steps are the ones trained
+    if trainer.ema is not None:
+        mark_trained_depths(trainer.ema.module, None)
     if trainer.procs.is_main:
         optimizer = type(trainer.optimizer).__name__
         LOGGER.info(refine_message(epoch, before, stage_shape(trainer.model), kept, optimizer))
@@ -280,13 +295,19 @@ def _log_epoch(trainer: Trainer, history: list[EpochRecord], folder: Path | None
     recipe, best_before = trainer.recipe, max(h.val_accuracy for h in history[:-1])
     loss = loss_name(recipe, trainer.teacher is not None)
     LOGGER.info(epoch_line(history[-1], recipe.epochs, best_before, folder, loss))
+    if history[-1].depth_accuracy:
+        LOGGER.info(depths_line(history[-1]))
 
 
 def _calibrate_in_place(
-    model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes, objective: str
-) -> None:
-    """Calibrate ``model`` on its training images when it is coarse and its source known."""
-    coarse = [s for s in converted_stages(model) if min(s.steps, s.num_knots) < s.depth]
+    model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes, objective: str,
+    plan: DepthPlan | None,
+) -> None:  # fmt: skip
+    """Calibrate ``model`` on its training images when it is coarse (at a depth trained for) and its
+    source known; for every depth of ``plan`` when there is one."""
+    stages = converted_stages(model)
+    steps = [{s.stage_name: s.steps for s in stages}] if plan is None else list(plan.steps)
+    coarse = [s for s in stages if min(s.num_knots, *(d[s.stage_name] for d in steps)) < s.depth]
     if not coarse:
         return
     why = unknown_source(model)
@@ -295,7 +316,8 @@ def _calibrate_in_place(
             LOGGER.info(f"note: not calibrated before fine-tuning: the source network is not known ({why})")
         return
     torch.manual_seed(seed)  # a split whose transform cannot be swapped for the evaluation one may draw
-    calibrated, report = calibrate(model, data, seed=seed, progress=False, objective=objective)
+    depths = {} if plan is None else {"steps": list(plan.labels)}
+    calibrated, report = calibrate(model, data, seed=seed, progress=False, objective=objective, **depths)
     with torch.no_grad():  # in place: the caller's model (and its hooks) is the one that trains
         model.load_state_dict(calibrated.state_dict())
     if procs.is_main:
@@ -351,11 +373,14 @@ def _loaders(data: LabelledData, recipe: Recipe, seed: int, procs: Processes, wo
     return loader, val_loader, batches
 
 
-def _validate_epoch(trainer: Trainer, record: EpochRecord, val_loader) -> None:
-    """Fill in ``record``'s accuracies: the returned model's and, with a weight average, the raw weights'."""
-    record.val_accuracy, record.val_loss = validation(trainer.output, val_loader, trainer.procs)
+def _validate_epoch(trainer: Trainer, record: EpochRecord, val_loader, plan: DepthPlan | None) -> None:
+    """Fill in ``record``'s accuracies: the returned model's and, with a weight average, the raw weights';
+    with a depth plan, at every depth (the worst one is the record's)."""
+    record.val_accuracy, record.val_loss, record.depth_accuracy = validation_at_depths(
+        trainer.output, val_loader, trainer.procs, plan
+    )
     if trainer.ema is not None:
-        record.val_accuracy_raw = validate(trainer.model, val_loader, trainer.procs)
+        record.val_accuracy_raw = validation_at_depths(trainer.model, val_loader, trainer.procs, plan)[0]
 
 
 def _check_arguments(
@@ -373,6 +398,11 @@ def _check_arguments(
         raise ConfigError(
             f"refine_at epochs must lie in 2..{recipe.epochs} (refining happens at the start of an epoch, "
             f"after at least one epoch at the coarse depth); got {list(refine_at)}."
+        )
+    if refine_epochs and recipe.depths is not None:
+        raise ConfigError(
+            f"refine_at doubles every stage's steps, which would move the depths the recipe trains for "
+            f"({recipe.depths}); give one or the other."
         )
     if max_batches is not None and (
         isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
@@ -433,16 +463,18 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _begin(trainer: Trainer, val_loader, folder: Path | None) -> list[EpochRecord]:
+def _begin(trainer: Trainer, val_loader, folder: Path | None, plan: DepthPlan | None) -> list[EpochRecord]:
     """Evaluate the model (and the teacher) before training: the history's epoch 0."""
     procs = trainer.procs
-    accuracy, loss = validation(trainer.model, val_loader, procs)
-    start = EpochRecord(0, accuracy, val_loss=loss, **stage_shape(trainer.model))
+    accuracy, loss, at_depths = validation_at_depths(trainer.model, val_loader, procs, plan)
+    start = EpochRecord(0, accuracy, val_loss=loss, depth_accuracy=at_depths, **stage_shape(trainer.model))
     if folder is not None and procs.is_main:
         save(trainer.model, folder / BEST_FILE)
     teacher = validate(trainer.teacher, val_loader, procs) if trainer.teacher is not None else None
     if procs.is_main:
         LOGGER.info(f"epoch 0 (before fine-tuning): val accuracy {start.val_accuracy:.2%}")
+        if start.depth_accuracy:
+            LOGGER.info(depths_line(start))
         if teacher is not None:
             LOGGER.info(teacher_line(teacher, start.val_accuracy, trainer.recipe))
     return [start]

@@ -61,6 +61,9 @@ class Recipe:
     1e-8). A model that already computes its teacher's function has a vanishing distillation
     gradient, which Adam divides by its own size and turns into steps of about the learning rate;
     a larger epsilon (1e-6) leaves such a model where it is (docs/finetuning.md).
+    ``depths``: train one set of knots for several depths at once, e.g. ``"native,x0.5,x0.25"``
+    (each batch at a depth drawn at random; every depth validated, the worst one deciding the best
+    epoch: :mod:`odeify.train.depths`); None trains the model at the depth it runs.
     """
 
     epochs: int = 6
@@ -79,6 +82,7 @@ class Recipe:
     mixup: float = 0.0
     cutmix: float = 0.0
     opt_eps: float | None = None
+    depths: str | None = None
 
     @property
     def ema(self) -> bool:
@@ -86,6 +90,10 @@ class Recipe:
         return bool(self.ema_decay)
 
     def __post_init__(self) -> None:
+        if self.depths is not None:  # canonical text, so a resumed run's record compares equal
+            from odeify.train.depths import depths_text
+
+            object.__setattr__(self, "depths", depths_text(self.depths))
         checks = {
             "epochs": self.epochs >= 1,
             "batch_size": self.batch_size >= 1,

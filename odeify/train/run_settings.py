@@ -30,7 +30,7 @@ __all__ = ["RECIPE_FLAGS", "augmentation", "finetune_with", "recipe_from", "with
 
 RECIPE_FLAGS = (
     "epochs", "lr", "weight_decay", "batch_size", "distill", "ema_decay", "optimizer", "label_smoothing",
-    "clip_grad_norm", "amp", "channels_last", "mixup", "cutmix", "warmup", "opt_eps",
+    "clip_grad_norm", "amp", "channels_last", "mixup", "cutmix", "warmup", "opt_eps", "depths",
 )  # fmt: skip
 """The command-line settings that are Recipe fields (argparse dests named as the fields)."""
 _TRAINED_MANIFESTATION = ("integrator", "steps", "knots", "basis")

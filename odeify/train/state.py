@@ -71,7 +71,8 @@ SUMMARY_COLUMNS = (
 """summary.csv's columns: timm train.py's names (eval_loss, eval_top1 in percent, lr) and the rest of
 an epoch record (train_top1 in percent, eval_top1_raw: the last step's weights when a weight average
 is kept, seconds: the epoch's training time, peak_memory_mib: its peak memory, CUDA's max allocated
-or the process's peak resident memory on the CPU: :mod:`odeify.train.peak_memory`)."""
+or the process's peak resident memory on the CPU: :mod:`odeify.train.peak_memory`); a run with
+``Recipe.depths`` adds ``eval_top1_<depth>`` for each listed depth (eval_top1 is then the worst)."""
 
 
 @dataclass
@@ -82,6 +83,8 @@ class EpochRecord:
     returns and saves: the weight average when the recipe keeps one, whose last step's weights then
     score ``val_accuracy_raw`` (else None). ``lr`` is the learning rate of the epoch's last step;
     ``peak_memory_mib`` the peak memory of its training (:mod:`odeify.train.peak_memory`).
+    ``depth_accuracy``: with ``Recipe.depths``, the returned model's accuracy at each listed depth
+    (``val_accuracy`` is then the worst of them: :mod:`odeify.train.depths`).
     """
 
     epoch: int
@@ -95,6 +98,7 @@ class EpochRecord:
     steps: dict[str, int] = field(default_factory=dict)
     val_loss: float | None = None
     peak_memory_mib: float | None = None
+    depth_accuracy: dict[str, float] = field(default_factory=dict)
 
 
 class TrainingRun(Protocol):
@@ -161,11 +165,13 @@ def write_summary(path: Path, history: list[EpochRecord]) -> None:
     def cell(value: float | None, scale: float = 1.0) -> str:
         return "" if value is None else repr(value * scale)
 
-    rows = [",".join(SUMMARY_COLUMNS)]
+    depths = list(dict.fromkeys(label for r in history for label in r.depth_accuracy))
+    rows = [",".join([*SUMMARY_COLUMNS, *(f"eval_top1_{label}" for label in depths)])]
     for r in history:
         values = [cell(r.train_loss), cell(r.train_accuracy, 100), cell(r.val_loss)]
         values += [cell(r.val_accuracy, 100), cell(r.val_accuracy_raw, 100), cell(r.lr), cell(r.seconds)]
         values += [cell(r.peak_memory_mib)]
+        values += [cell(r.depth_accuracy.get(label), 100) for label in depths]
         rows.append(",".join([str(r.epoch), *values]))
     atomic_write_bytes(path, ("\n".join(rows) + "\n").encode())
 

@@ -38,6 +38,7 @@ _HISTORY_FIELDS = {
     "val_accuracy_raw": "fraction?",
     "val_loss": "number?",
     "peak_memory_mib": "number?",
+    "depth_accuracy": "fractions",
     "knots": "counts",
     "steps": "counts",
 }
@@ -142,6 +143,10 @@ def _of_kind(value: object, kind: str) -> bool:
         return _is_number(value) and 0 <= value <= 1  # type: ignore[operator]
     if kind == "number":
         return _is_number(value)
+    if kind == "fractions":
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and len(k) <= 16 and _of_kind(v, "fraction") for k, v in value.items()
+        )
     return isinstance(value, dict) and all(isinstance(k, str) and _is_int(v, 1) for k, v in value.items())
 
 
@@ -150,6 +155,7 @@ _KIND_TEXT = {
     "fraction": "a number in [0, 1]",
     "number": "a finite number",
     "counts": "a map of stage names to positive integers",
+    "fractions": "a map of depths to numbers in [0, 1]",
 }
 
 

@@ -13,7 +13,7 @@ from itertools import product
 
 import torch.fx as fx
 
-from odeify.compiler.conversion import converted_stages, retarget
+from odeify.compiler.conversion import converted_stages, retarget, set_steps
 from odeify.inspection.report import markdown_table
 from odeify.train.evaluate import evaluate
 from odeify.train.progress import LOGGER
@@ -46,15 +46,22 @@ def sweep(
 ) -> list[SweepPoint]:
     """Evaluate ``model`` retargeted to every combination; ``batches()`` yields a fresh pass of data.
 
-    Knots are refitted from the model as given (least squares below its count, resampled above), in
-    ``basis`` (default: the model's own); every point runs with ``backward='backprop'`` (evaluation
-    never runs a backward pass). Each point is logged as it is measured (``logging.getLogger("odeify")``).
+    Each (integrator, knots) is one copy of the model, switched to every depth in place (no copy of
+    the knots per depth). Knots are refitted from the model as given (least squares below its count,
+    resampled above), in ``basis`` (default: the model's own); every point runs with
+    ``backward='backprop'`` (evaluation never runs a backward pass). Each point is logged as it is
+    measured (``logging.getLogger("odeify")``).
     """
     points = []
+    weights: dict[object, fx.GraphModule] = {}  # one copy per (integrator, knots); depths switch in place
     for integrator, step, knot in product(integrators, steps, knots):
-        manifestation = retarget(
-            model, integrator=integrator, steps=step, knots=knot, basis=basis, backward="backprop"
-        )
+        if (integrator, knot) not in weights:
+            if len(weights) == len(knots):  # the next integrator: drop the last one's copies
+                weights.clear()
+            weights[integrator, knot] = retarget(
+                model, integrator=integrator, steps=step, knots=knot, basis=basis, backward="backprop"
+            )
+        manifestation = set_steps(weights[integrator, knot], step)
         result = evaluate(manifestation, batches(), max_batches=max_batches)
         used = ",".join(sorted({stage.basis for stage in converted_stages(manifestation)}))
         point = SweepPoint(

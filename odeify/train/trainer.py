@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,7 +101,11 @@ class Trainer:
             return self.model
         ids = [self.procs.device.index] if self.procs.device.type == "cuda" else None
         # every buffer is the same on every rank and none changes in forward (BatchNorm is folded)
-        return DistributedDataParallel(self.model, device_ids=ids, broadcast_buffers=False)
+        # at a depth with fewer steps than knots, some knots take no part in a batch
+        unused = self.recipe.depths is not None
+        return DistributedDataParallel(
+            self.model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=unused
+        )
 
     def replace_model(self, model: fx.GraphModule) -> int:
         """Train ``model`` from now on with a new optimizer that keeps the state of unchanged parameters.
@@ -127,11 +132,13 @@ class Trainer:
         return kept
 
     def train_epoch(
-        self, loader, batches: int, epoch: int, show: bool, log_interval: int = DEFAULT_LOG_INTERVAL
-    ) -> EpochRecord:
+        self, loader, batches: int, epoch: int, show: bool, log_interval: int = DEFAULT_LOG_INTERVAL,
+        before_batch: Callable[[int], None] | None = None,
+    ) -> EpochRecord:  # fmt: skip
         """One pass over ``batches`` batches; the loss and accuracy are averaged over all ranks.
 
-        ``show``: report progress (:class:`odeify.train.progress.BatchProgress`)."""
+        ``show``: report progress (:class:`odeify.train.progress.BatchProgress`); ``before_batch(i)``
+        runs before batch ``i`` (the depth switch of :mod:`odeify.train.depths`)."""
         recipe, device = self.recipe, self.procs.device
         params = list(self.trained.values())
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
@@ -144,6 +151,8 @@ class Trainer:
         for index, (x, y) in enumerate(loader):
             if index == batches:
                 break
+            if before_batch is not None:
+                before_batch(index)
             lr = recipe.lr * learning_rate_factor(self.step, self.total_steps, recipe.warmup)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
