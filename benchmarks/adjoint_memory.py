@@ -38,9 +38,7 @@ from baselines import torchdiffeq_euler_adjoint
 from child import report_to_parent, run_child
 from machine import command_line, describe_machine
 from memory import SavedBytes, reset_peak_rss, rss
-from rich.console import Console
-from rich.table import Table
-from tables import markdown_table
+from tables import markdown_table, print_table
 
 import odeify
 from odeify.codegen.emit import delta_graph
@@ -454,12 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = run_all(sorted(args.steps), modes, sizes, args.repeats)
     caption = "; ".join(targets(results, sizes["dtype"]))
-    table = Table(title=f"backward modes on resnet50 {STAGE}", caption=caption)
-    for i, header in enumerate(headers(results)):
-        table.add_column(header, justify="left" if i < 2 else "right")
-    for r in results:
-        table.add_row(*cells(r, results))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    rows = (cells(r, results) for r in results)
+    print_table(
+        f"backward modes on resnet50 {STAGE}", caption, headers(results), rows, text_columns=2, width=200
+    )
 
     command = command_line(__file__, argv)
     png = args.output.with_suffix(".png")

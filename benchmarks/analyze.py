@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import command_line, provenance, write_results
-from rich.console import Console
-from rich.table import Table
-from tables import markdown_table
+from machine import command_line, write_results
+from tables import print_table, results_document
 from tqdm import tqdm
 
 import odeify
@@ -121,14 +119,10 @@ def markdown(rows: list[Row], command: str, repeats: int) -> str:
         "it also pays the process's one-time costs (lazy imports, first-call set-up). 'analyze CPU' is the",
         "process CPU time of the analysis: on an idle machine it matches the wall time, so a gap between",
         "them shows time lost to other processes.",
-        "",
-        *markdown_table(HEADERS, map(cells, rows), text_columns=3),
-        "",
-        verdict(rows) + ".",
-        "",
-        *provenance(command),
     ]
-    return "\n".join(lines)
+    return results_document(
+        lines, HEADERS, map(cells, rows), command, text_columns=3, after=[verdict(rows) + "."]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,12 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models:
             rows.append(measure(name, args.repeats, progress))
 
-    table = Table(title="odeify.analyze vs one eager forward (seconds)", caption=verdict(rows))
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i < 3 else "right")
-    for row in rows:
-        table.add_row(*cells(row))
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    title = "odeify.analyze vs one eager forward (seconds)"
+    print_table(title, verdict(rows), HEADERS, map(cells, rows), text_columns=3, width=120)
 
     command = command_line(__file__, argv)
     write_results(args.output, markdown(rows, command, args.repeats))

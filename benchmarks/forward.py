@@ -25,10 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from machine import command_line, machine_info, provenance, write_results
-from rich.console import Console
-from rich.table import Table
-from tables import markdown_table
+from machine import command_line, machine_info, write_results
+from tables import print_table, results_document
 from torch import nn
 from torch.fx.experimental.optimization import fuse
 from tqdm import tqdm
@@ -187,14 +185,8 @@ def markdown(rows: list[Row], original: float, args: argparse.Namespace, command
         f"{original:.3f} s. 'field evals' counts block evaluations over all ODE stages (the native model:",
         "one per block). Weights are random (timing does not depend on them), so only the native",
         "variant's output is compared with timm's (max |out - timm| / max |timm|, below the table).",
-        "",
-        *markdown_table(HEADERS, map(cells, rows)),
-        "",
-        verdict(rows) + ".",
-        "",
-        *provenance(command),
     ]
-    return "\n".join(lines)
+    return results_document(lines, HEADERS, map(cells, rows), command, after=[verdict(rows) + "."])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,15 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be >= 1")
 
     rows, original = run(args)
-    table = Table(
-        title=f"{args.model} forward, {args.batch}x3x{args.size}x{args.size}: time relative to timm",
-        caption=verdict(rows),
-    )
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i < 2 else "right")
-    for row in rows:
-        table.add_row(*cells(row))
-    Console(width=None if sys.stdout.isatty() else 140).print(table)
+    title = f"{args.model} forward, {args.batch}x3x{args.size}x{args.size}: time relative to timm"
+    print_table(title, verdict(rows), HEADERS, map(cells, rows), text_columns=2, width=140)
     print(f"timm median: {original:.3f} s; native ratio: {rows[0].ratio:.2f}x")
 
     command = command_line(__file__, argv)

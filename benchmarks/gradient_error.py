@@ -34,9 +34,7 @@ from pathlib import Path
 import torch
 from baselines import torchdiffeq_euler_adjoint
 from machine import command_line, describe_machine, write_results
-from rich.console import Console
-from rich.table import Table
-from tables import markdown_table
+from tables import markdown_table, print_table
 
 import odeify
 from odeify.models.digits import DEFAULT_MODEL_PATH, load_digits
@@ -281,12 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = measure(sorted(args.steps), args.batch)
     seconds = time.perf_counter() - start
-    table = Table(title=TITLE, caption="\n".join(summary(rows, args.fit)))
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i < 2 else "right")
-    for row in rows:
-        table.add_row(*cells(row))
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    caption = "\n".join(summary(rows, args.fit))
+    print_table(TITLE, caption, HEADERS, map(cells, rows), text_columns=2, width=160)
 
     command = command_line(__file__, argv)
     write_results(args.output, markdown(rows, args.fit, command, args.batch, seconds))

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 import torch
-from machine import command_line, provenance, write_results
-from tables import markdown_table
+from machine import command_line, write_results
+from tables import results_document
 
 import odeify
 from odeify.models._testing import make_test_model
@@ -146,12 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "residual to fp32 and the other register are kept in the narrowest integer type that holds",
         "them (the other register: int32, else 5 to 7 bytes a count, halved first where the",
         "scheme keeps it even: ALF's p).",
-        "",
-        *markdown_table(HEADERS, rows, text_columns=3),
-        "",
-        *provenance(command),
     ]
-    write_results(args.output, "\n".join(lines))
+    write_results(args.output, results_document(lines, HEADERS, rows, command, text_columns=3))
     return 0
 
 

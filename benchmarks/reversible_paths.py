@@ -31,8 +31,8 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
-from machine import command_line, provenance, write_results
-from tables import markdown_table
+from machine import command_line, write_results
+from tables import results_document
 
 import odeify
 from odeify.codegen.emit import count_evaluations
@@ -200,12 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         "step. Euler at native steps is the oracle: both paths must reproduce the source there. The",
         "other digits models (--digits-models) are the shipped recipe with another seed:",
         "`python examples/train_digits.py --seed N --out PATH`.",
-        "",
-        *markdown_table(HEADERS, rows, text_columns=4),
-        "",
-        *provenance(command),
     ]
-    write_results(args.output, "\n".join(lines))
+    write_results(args.output, results_document(lines, HEADERS, rows, command, text_columns=4))
     return 0
 
 

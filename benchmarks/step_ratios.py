@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import command_line, provenance, write_results
-from tables import markdown_table
+from machine import command_line, write_results
+from tables import results_document
 from train_step import (
     BATCH,
     CLASSES,
@@ -127,12 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         "over timm plain's in the same round, median and spread over the rounds. Random-weight timm",
         f"models{weakened}, batch {BATCH} of {SIZE}x{SIZE}, fp32, {args.threads} torch thread(s).",
         "Saved bytes, gradients and fallbacks: benchmarks/results/train_step.md.",
-        "",
-        *markdown_table(HEADERS, table, text_columns=3),
-        "",
-        *provenance(command_line(__file__, argv)),
     ]
-    write_results(args.output, "\n".join(lines))
+    write_results(
+        args.output, results_document(lines, HEADERS, table, command_line(__file__, argv), text_columns=3)
+    )
     return 0
 
 

@@ -63,9 +63,7 @@ import torch.nn.functional as F
 from child import SteppedChild, report_to_parent, requests
 from machine import command_line, describe_machine
 from memory import SavedBytes, reset_peak_rss, rss
-from rich.console import Console
-from rich.table import Table
-from tables import markdown_table
+from tables import markdown_table, print_table
 from torch import nn
 
 import odeify
@@ -720,12 +718,8 @@ def main(argv: list[str] | None = None) -> int:
     order = {config: i for i, config in enumerate(configs)}
     results.sort(key=lambda r: order[(r.model, r.row, r.steps)])
 
-    table = Table(title="one training step", caption="; ".join(targets(results)))
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i < 3 else "right")
-    for r in results:
-        table.add_row(*cells(r, results))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    rows = (cells(r, results) for r in results)
+    print_table("one training step", "; ".join(targets(results)), HEADERS, rows, text_columns=3, width=200)
 
     command = command_line(__file__, argv)
     png = args.output.with_suffix(".png")
