@@ -32,6 +32,7 @@ _EXPORTS = {
     "VerificationError": "odeify.compiler.verification",
     "ConfigError": "odeify.core.errors",
     "FallbackWarning": "odeify.core.errors",
+    "KnotRefinementWarning": "odeify.compiler.knot_refinement",
     "ModelLoadError": "odeify.core.errors",
     "NoResidualBlocksError": "odeify.core.errors",
     "OdeifyError": "odeify.core.errors",
@@ -72,6 +73,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
     from odeify.compiler.conversion import set_steps as set_steps
     from odeify.compiler.conversion import verify as verify
     from odeify.compiler.fitted_depths import UnfittedDepthWarning as UnfittedDepthWarning
+    from odeify.compiler.knot_refinement import KnotRefinementWarning as KnotRefinementWarning
     from odeify.compiler.source_network import source_network as source_network
     from odeify.compiler.verification import Verification as Verification
     from odeify.compiler.verification import VerificationError as VerificationError

@@ -9,19 +9,27 @@ the rule says nothing changes; and what the user asked on the command line.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import odeify
 from odeify.cli.parser import main
 from odeify.compiler.conversion import converted_stages
+from odeify.compiler.knot_refinement import KnotRefinementWarning
 from odeify.core.errors import ConfigError
 from odeify.inspection.report import describe
+from odeify.models._testing import make_test_model
+from odeify.models.digits import load_digits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = ["--input-size", "3", "64", "64"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 # -- case 8: a depth multiplier for the whole model clamps, says so, and refuses a no-op -------------
@@ -71,3 +79,70 @@ def test_case8_cli_says_what_a_multiplier_became(tmp_path: Path, capsys: pytest.
     assert model.meta["odeify"]["steps_multiplier"]["steps"] == expected  # the file kept it
     assert main(["inspect", str(out)]) == 0
     assert "steps x0.33:" in " ".join(capsys.readouterr().out.split())
+
+
+# -- case 11: retarget reports the error of the weights the model reads, and the stages left alone ---
+def test_case11_retarget_reports_what_each_stage_reads(
+    tmp_path: Path,
+    image,
+    capsys: pytest.CaptureFixture[str],  # noqa: ANN001
+) -> None:
+    """2 linear knots of a 2-block stage are its blocks at its 2 Euler steps: it computes as before;
+    the 6-block stage's error is that of its 6 reads, t = k / 6, of the 2 linear knots (at 0 and 1/2,
+    held after the last) against block k, computed here from the saved knots."""
+    source = make_test_model("convnext_atto")
+    path, out = tmp_path / "cnx.safetensors", tmp_path / "cnx2.safetensors"
+    odeify.save(odeify.convert(source, input_size=(3, 64, 64)), path)
+    assert main(["retarget", str(path), "-o", str(out), "--knots", "2", "--basis", "linear", "--json"]) == 0
+    captured = capsys.readouterr()
+    changes = {c["stage"]: c for c in json.loads(captured.out)["changes"]}
+    inputs: dict[str, torch.Tensor] = {}  # each stage's input, from the source network
+    for name in changes:
+        source.get_submodule(name).register_forward_pre_hook(lambda m, a, n=name: inputs.setdefault(n, a[0]))
+    old = {s.stage_name: s for s in converted_stages(odeify.load(path))}
+    new = {s.stage_name: s for s in converted_stages(odeify.load(out))}
+    with torch.no_grad():
+        source(image((2, 3, 64, 64)))
+        computes_as_before = {n: torch.equal(old[n](x), new[n](x)) for n, x in inputs.items()}
+    assert sorted(computes_as_before.values()) == [False, True, True, True]  # convnext_atto: 2, 2, 6, 2
+    for name, change in changes.items():
+        assert change["left_as_it_is"] is computes_as_before[name], name
+        if computes_as_before[name]:
+            assert (
+                change["fit_error"] == 0
+                and f"{name}: basis constant -> linear; left as it is" in captured.err
+            )
+            continue
+        depth = old[name].depth
+        error = total = 0.0
+        for k in range(depth):
+            t = k / depth
+            for before, after in zip(old[name].knot_tensors(), new[name].knot_tensors(), strict=True):
+                read = after[1] if t >= 0.5 else (1 - 2 * t) * after[0] + 2 * t * after[1]
+                error += float((read.double() - before[k].double()).pow(2).sum())
+                total += float(before[k].double().pow(2).sum())
+        assert change["fit_error"] == pytest.approx((error / total) ** 0.5, rel=1e-6)
+        assert change["evaluation_times"] == depth
+
+
+# -- case 12: more knots than blocks warns in Python, once, and the CLI says it once ----------------
+def test_case12_more_knots_than_blocks_warns_once(native, tmp_path: Path) -> None:  # noqa: ANN001
+    x = load_digits("test")[0][:64]
+    with pytest.warns(KnotRefinementWarning) as said:
+        moved = odeify.retarget(native, knots=5)  # layer1 has 4 blocks, layer2 3: neither divides 5
+    assert len([w for w in said if w.category is KnotRefinementWarning]) == 1
+    assert "computes something else" in str(said[0].message)
+    with torch.no_grad():
+        assert not torch.equal(moved(x), native(x))  # what the warning says: the model changed
+    with pytest.warns(KnotRefinementWarning) as said:
+        doubled = odeify.retarget(native, knots={"layer1": 8})  # a multiple: only more parameters
+    assert "computes something else" not in str(said[0].message)
+    with torch.no_grad():
+        assert torch.equal(doubled(x), native(x))
+    # the command line prints the library's warning, once, and none of its own beside it
+    path = tmp_path / "digits.safetensors"
+    odeify.save(native, path)
+    argv = ["retarget", str(path), "-o", str(tmp_path / "five.safetensors"), "--knots", "5"]
+    done = subprocess.run([sys.executable, "-m", "odeify", *argv], capture_output=True, text=True, env=ENV)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("knots for") == 2 and done.stderr.count("odeify: warning:") == 1
