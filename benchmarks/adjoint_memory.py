@@ -36,13 +36,12 @@ from pathlib import Path
 import torch
 from baselines import torchdiffeq_euler_adjoint
 from child import report_to_parent, run_child
-from machine import command_line, describe_machine
+from machine import command_line, describe_machine, provenance, save_figure, write_results
 from memory import SavedBytes, reset_peak_rss, rss
-from tables import markdown_table, print_table
+from tables import bullets, markdown_table, print_table
 
 import odeify
 from odeify.codegen.emit import delta_graph
-from odeify.core.fileio import atomic_write_bytes
 from odeify.models._testing import make_test_model
 from odeify.runtime.reversible import compile_program
 
@@ -373,18 +372,12 @@ def markdown(results: list[Result], command: str, sizes: dict, quick: bool, repe
         "",
         *markdown_table(headers(results), (cells(r, results) for r in results)),
         "",
-        "Targets:",
-        "",
-        *(f"- {line}" for line in targets(results, sizes["dtype"])),
-        "",
+        *bullets("Targets:", targets(results, sizes["dtype"])),
         NOTES,
         "",
         f"![saved bytes and step time vs steps]({png})",
         "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {describe_machine(sizes['device'])}.",
-        "",
+        *provenance(command, describe_machine(sizes["device"])),
     ]
     return "\n".join(lines)
 
@@ -410,9 +403,7 @@ def plot(results: list[Result], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     mem.legend(fontsize=8)
     fig.suptitle(f"resnet50 {STAGE} as an ODE stage: one training step per backward mode")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,9 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line(__file__, argv)
     png = args.output.with_suffix(".png")
     text = markdown(results, command, sizes, args.quick, args.repeats, png.name)
-    atomic_write_bytes(args.output, text.encode())
+    write_results(args.output, text)
     plot(results, png)
-    print(f"wrote {args.output} and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(f"wrote {png}; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,7 @@ One place for all benchmark scripts.
 
 from __future__ import annotations
 
+import io
 import os
 import platform
 import shlex
@@ -58,9 +59,20 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     return " ".join(["python", f"benchmarks/{Path(script).name}", *map(shlex.quote, args)])
 
 
-def provenance(command: str) -> list[str]:
-    """A results file's closing lines: the command that wrote it and the machine it ran on."""
-    return [f"Command: `{command}`", "", f"Machine: {describe_machine()}.", ""]
+def provenance(command: str, machine: str | None = None) -> list[str]:
+    """A results file's closing lines: the command that wrote it and the machine it ran on
+    (``machine``, or :func:`describe_machine`'s sentence for the CPU)."""
+    return [f"Command: `{command}`", "", f"Machine: {machine or describe_machine()}.", ""]
+
+
+def save_figure(fig: object, path: Path, dpi: int = 110) -> None:
+    """Lay out a matplotlib figure and write it as a PNG atomically, as :func:`write_results` writes
+    the results file beside it (a failed run leaves the previous picture intact)."""
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def write_results(path: Path, text: str) -> None:

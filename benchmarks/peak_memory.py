@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from child import SteppedChild, report_to_parent, requests
-from machine import command_line, describe_machine
+from machine import command_line, describe_machine, save_figure
 from memory import reset_peak_rss, rss
 from tables import markdown_table
 from train_step import ROWS, Row, build
@@ -278,10 +278,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_title(model)
         ax.set_xlabel("step time, s")
         ax.set_ylabel("peak MiB (tensor peak; compiled: RSS)")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    atomic_write_bytes(path, buffer.getvalue())
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,13 @@ from rich.table import Table
 
 from odeify.inspection.report import markdown_table
 
-__all__ = ["markdown_table", "print_table", "results_document"]
+__all__ = ["bullets", "markdown_table", "print_table", "results_document"]
+
+
+def bullets(title: str, items: Iterable[str]) -> list[str]:
+    """A titled bullet list of a results file (the targets and their verdicts, failures), with the
+    blank lines around it."""
+    return [title, "", *(f"- {item}" for item in items), ""]
 
 
 def results_document(

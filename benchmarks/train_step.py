@@ -61,13 +61,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from child import SteppedChild, report_to_parent, requests
-from machine import command_line, describe_machine
+from machine import command_line, describe_machine, provenance, save_figure, write_results
 from memory import SavedBytes, reset_peak_rss, rss
-from tables import markdown_table, print_table
+from tables import bullets, markdown_table, print_table
 from torch import nn
 
 import odeify
-from odeify.core.fileio import atomic_write_bytes
 from odeify.models._testing import make_test_model
 from odeify.numerics.schemes import AsyncLeapfrog
 from odeify.passes.segments import has_segments
@@ -598,20 +597,16 @@ def markdown(
         "",
         *markdown_table(HEADERS, (cells(r, results) for r in results), text_columns=3),
         "",
-        *(["Failed configurations:", "", *(f"- {f}" for f in failures), ""] if failures else []),
-        "Targets:",
-        "",
-        *(f"- {line}" for line in targets(results)),
-        "",
+        *(bullets("Failed configurations:", failures) if failures else []),
+        *bullets("Targets:", targets(results)),
         *profile_table(results),
         NOTES,
         "",
         f"![saved bytes and step time per row]({png})",
         "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {describe_machine()}; load average (1, 5, 15 min) at the start: {load_before}.",
-        "",
+        *provenance(
+            command, f"{describe_machine()}; load average (1, 5, 15 min) at the start: {load_before}"
+        ),
     ]
     return "\n".join(lines)
 
@@ -650,9 +645,7 @@ def plot(results: list[Result], path: Path) -> None:
         axes[0][column].legend(fontsize=8)
         axes[1][column].axhline(1.8, color="gray", linestyle="--", linewidth=1)
     fig.suptitle(f"one training step, batch {BATCH}, {SIZE}x{SIZE}, fp32, CPU")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -725,9 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     png = args.output.with_suffix(".png")
     counts = (args.repeats, args.repeats_x4)
     text = markdown(results, command, counts, png.name, load_before, failures, args.weights)
-    atomic_write_bytes(args.output, text.encode())
+    write_results(args.output, text)
     plot(results, png)
-    print(f"wrote {args.output} and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(f"wrote {png}; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
     return 0
 
 
