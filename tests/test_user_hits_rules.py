@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_files import train_checkpoint
 
 import odeify
 from odeify.cli.parser import main
@@ -146,3 +147,11 @@ def test_case12_more_knots_than_blocks_warns_once(native, tmp_path: Path) -> Non
     done = subprocess.run([sys.executable, "-m", "odeify", *argv], capture_output=True, text=True, env=ENV)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("knots for") == 2 and done.stderr.count("odeify: warning:") == 1
+
+
+# -- case 15: convert --ema says once which weights it took -----------------------------------------
+def test_case15_convert_ema_names_the_weights_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = train_checkpoint(make_test_model("resnet18", num_classes=7), tmp_path, "resnet18", 7)
+    assert main(["convert", str(path), "--ema", "--input-size", "3", "32", "32"]) == 0
+    captured = capsys.readouterr()
+    assert (captured.out + captured.err).count(f"using the EMA weights ('state_dict_ema') of {path}") == 1

@@ -36,13 +36,22 @@ def note(message: str) -> None:
 
 
 class _TqdmHandler(logging.Handler):
-    """Writes each record with ``tqdm.write``, so that a progress bar on the terminal stays whole."""
+    """Writes each record with ``tqdm.write``, so that a progress bar on the terminal stays whole.
+
+    A record logged with ``extra={"once": True}`` (a note about an input, which a command may read
+    more than once) is written the first time only.
+    """
 
     def __init__(self, to_stderr: bool) -> None:
         super().__init__()
         self.to_stderr = to_stderr
+        self.said: set[str] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "once", False):
+            if record.getMessage() in self.said:
+                return
+            self.said.add(record.getMessage())
         try:
             from tqdm import tqdm
 

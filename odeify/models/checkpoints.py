@@ -76,6 +76,7 @@ SAFE_GLOBALS: list[type] = [argparse.Namespace]
 
 STATE_KEYS = ("state_dict", "model")  # where train.py and other trainers keep the weights
 EMA_KEYS = ("state_dict_ema", "model_ema")  # timm train.py / ModelEma checkpoints
+ONCE = {"once": True}  # a log record's extra: the command line prints such a note once per command
 
 
 @dataclass
@@ -217,7 +218,8 @@ def _from_torch_object(obj: object, path: Path, ema: bool) -> Checkpoint:
         )
     state = obj[state_key] if state_key else obj
     if ema:
-        logging.getLogger("odeify").info(f"using the EMA weights ('{state_key}') of {path}")
+        # once: a command may read the file twice (the source it checks, the one it converts)
+        logging.getLogger("odeify").info(f"using the EMA weights ('{state_key}') of {path}", extra=ONCE)
     bad = [k for k, v in state.items() if not (isinstance(k, str) and isinstance(v, Tensor))]
     if bad or not state:
         raise ModelLoadError(
