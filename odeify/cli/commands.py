@@ -280,19 +280,19 @@ def run_eval(args: argparse.Namespace) -> int:
     from odeify.train.evaluate import evaluate
     from odeify.train.progress import plural
 
-    require_data(args.data)
+    require_data(args.data, evaluation=True)
     model, name = in_manifestation(args)
-    loader = val_batches(args, model)
+    loader, read = val_batches(args, model)
     result = evaluate(model.to(chosen_device(args)), loader, max_batches=args.max_batches)
     if args.json:
-        print(json.dumps({"model": name, "data": args.data, **result.to_dict()}, indent=2))
+        print(json.dumps({"model": name, "data": args.data, "read": read, **result.to_dict()}, indent=2))
         return 0
     stages = ", ".join(
         f"{s.name}: {s.integrator} x{s.steps}, {plural(s.knots, 'knot')} {s.basis}"
         for s in describe(model).stages
     )
     print(
-        f"{name} on {args.data} ({result.samples} samples): accuracy {result.accuracy:.2%}, "
+        f"{name} on {read} ({result.samples} samples): accuracy {result.accuracy:.2%}, "
         f"loss {result.loss:.4f}, NFE {result.nfe} ({stages}), "
         f"{1000 * result.seconds_per_batch:.1f} ms per batch of {args.batch_size}"
     )
@@ -307,10 +307,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     plot = checked_output_file(args.plot, "--plot", args)
     markdown = checked_output_file(args.markdown, "--markdown", args)
     distinct_outputs(("--plot", plot), ("--markdown", markdown))
-    require_data(args.data)
+    require_data(args.data, evaluation=True)
     model, name = load_or_convert(args)
     model = model.to(chosen_device(args))
-    loader = val_batches(args, model)
+    loader, _ = val_batches(args, model)
     points = sweep(
         model,
         lambda: loader,

@@ -5,7 +5,9 @@
 and ``val/`` (or ``validation/``) subfolders of one folder per class, read by timm's data
 pipeline (``timm.data.create_dataset``) with the transforms timm derives from the model's
 pretrained config (``resolve_model_data_config`` + ``create_transform``): training augmentation
-on ``train``, the evaluation resize and crop on ``val``.
+on ``train``, the evaluation resize and crop on ``val``. Evaluation alone (:func:`open_evaluation`)
+needs no ``train/``: it reads ``val/`` (or ``validation/``, or ``test/``), else DIR itself as a
+folder of class folders, and says which.
 
 Batches come from :func:`make_loader`, which always uses a ``DistributedSampler`` (one replica
 when not distributed): its order depends only on the seed and the epoch, so a resumed run sees
@@ -41,6 +43,7 @@ __all__ = [
     "DIGITS",
     "Augmentation",
     "DataError",
+    "EvaluationData",
     "LabelledData",
     "check_data",
     "check_data_spec",
@@ -48,11 +51,13 @@ __all__ = [
     "fingerprint",
     "make_loader",
     "open_data",
+    "open_evaluation",
 ]
 
 DIGITS = "digits"
 DIGITS_SAMPLES = 1797  # scikit-learn's digits: what open_data("digits") holds in memory, both splits
 VAL_FOLDERS = ("val", "validation")
+EVAL_FOLDERS = (*VAL_FOLDERS, "test")  # what evaluation alone reads, in this order
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")  # what PIL reads
 IGNORE_INDEX = -100  # the label cross-entropy skips (torch's default ignore_index)
 LARGE_INPUT = 1e4  # normalised images lie within a few units of 0; raw 0..255 pixels within 255
@@ -71,6 +76,17 @@ class LabelledData:
     val: Dataset
     num_classes: int
     augmentation: str = "none"  # how the training split is augmented, and why (for the run's log)
+
+
+@dataclass(frozen=True)
+class EvaluationData:
+    """The split evaluation reads and its class count; ``read`` says which it is (a folder, or the
+    digits set's test split), ``name`` what the user passed."""
+
+    name: str
+    val: Dataset
+    num_classes: int
+    read: str
 
 
 @dataclass(frozen=True)
@@ -135,7 +151,29 @@ def open_data(
         said = f"{from_file}: {augmentation.describe()}"
     else:
         augmentation, said = Augmentation(), "timm's defaults"
-    return replace(_image_folder(Path(spec).expanduser(), model, augmentation), augmentation=said)
+    root = Path(spec).expanduser()
+    train_dir, val_dir = _split_folders(root)
+    return replace(_image_folder(root, train_dir, val_dir, model, augmentation), augmentation=said)
+
+
+def open_evaluation(spec: str | os.PathLike[str], model: nn.Module) -> EvaluationData:
+    """The split that evaluation reads of the data ``spec`` names, prepared for ``model``'s input.
+
+    An image folder needs no ``train/``: its ``val/`` (or ``validation/``, or ``test/``) is read, else
+    the folder itself when it holds class folders. With a ``train/`` beside it, both must hold the same
+    classes (the class indices the model was trained with are those of ``train/``'s folders).
+    """
+    if os.fspath(spec) == DIGITS:
+        data = _digits(model)
+        return EvaluationData(DIGITS, data.val, data.num_classes, "digits (its test split)")
+    root = Path(spec).expanduser()
+    folder = _evaluation_folder(root)
+    val = _split(folder, data_config(model), None)
+    classes = val.reader.class_to_idx
+    if folder != root and (root / "train").is_dir():
+        _same_classes(root / "train", scan_folder(root / "train")[1], folder, classes)
+    _at_least_two(folder, classes)
+    return EvaluationData(str(root), val, len(classes), str(folder))
 
 
 def _flag_value(value: object) -> str:
@@ -181,23 +219,64 @@ def _input_shape(model: nn.Module) -> tuple[int, ...]:
     return tuple(recorded) if recorded else default_input_size(model)
 
 
-def check_data_spec(spec: str | os.PathLike[str]) -> None:
+def check_data_spec(spec: str | os.PathLike[str], *, evaluation: bool = False) -> None:
     """Refuse a ``--data`` that names no data set (not 'digits', not an ImageFolder with train/ and
-    val/), before any model is loaded: the check costs a few stat calls, loading a model seconds."""
+    val/; with ``evaluation``, none that :func:`open_evaluation` reads), before any model is loaded:
+    the check costs a few stat calls, loading a model seconds."""
     if os.fspath(spec) != DIGITS:
-        _split_folders(Path(spec).expanduser())
+        root = Path(spec).expanduser()
+        if evaluation:
+            _evaluation_folder(root, say=False)
+        else:
+            _split_folders(root, say=False)
 
 
-def _split_folders(root: Path) -> tuple[Path, Path]:
-    """``root``'s train/ and val/ (or validation/) folders; a DataError naming what is missing."""
+def _evaluation_folder(root: Path, *, say: bool = True) -> Path:
+    """The folder evaluation reads: ``root``'s val/, validation/ or test/ (the first there; with ``say``,
+    a warning names it when there are several), else ``root`` itself as a folder of class folders when
+    it has no train/."""
+    _check_folder(root)
+    found = _present(root, EVAL_FOLDERS, "evaluation" if say else None)
+    if found is not None:
+        return found
+    if (root / "train").is_dir():
+        raise DataError(
+            f"--data {root} has train/ but no val/ subfolder to evaluate on (nor validation/ or test/); "
+            "evaluation does not read the training images. Add DIR/val/<class>/*.jpg."
+        )
+    return root
+
+
+def _present(root: Path, names: tuple[str, ...], role: str | None) -> Path | None:
+    """The first of ``root``'s subfolders ``names`` that exists; when several do, a warning says which
+    one is read (as the split ``role``; None: no warning) and which are not."""
+    found = [root / name for name in names if (root / name).is_dir()]
+    if len(found) > 1 and role is not None:
+        others = " and ".join(f"{path.name}/" for path in found[1:])
+        warnings.warn(
+            f"--data {root} has {found[0].name}/ and {others}: {found[0].name}/ is read as the {role} split, "
+            f"{others} {'is' if len(found) == 2 else 'are'} not. Rename or remove the one you do not mean.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return found[0] if found else None
+
+
+def _check_folder(root: Path) -> None:
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
         raise DataError(
             f"--data {root} {what}. Pass 'digits' for the built-in set, or a folder holding train/ and "
             "val/ subfolders with one folder of images per class (the ImageFolder layout)."
         )
+
+
+def _split_folders(root: Path, *, say: bool = True) -> tuple[Path, Path]:
+    """``root``'s train/ and val/ (or validation/) folders; a DataError naming what is missing (with
+    ``say``, a warning names the one read when both val/ and validation/ are there)."""
+    _check_folder(root)
     train_dir = root / "train"
-    val_dir = next((root / name for name in VAL_FOLDERS if (root / name).is_dir()), None)
+    val_dir = _present(root, VAL_FOLDERS, "validation" if say else None)
     if not train_dir.is_dir() or val_dir is None:
         missing = " and ".join(
             name for name, found in (("train/", train_dir.is_dir()), ("val/", val_dir)) if not found
@@ -246,8 +325,9 @@ def scan_folder(folder: Path) -> tuple[list[tuple[str, int]], dict[str, int]]:
     """The images of ``folder`` (an ImageFolder split) with their class indices, and the classes, as timm's
     reader finds them (a class is an image's folder name; both sorted naturally), except that: only
     regular files are read (a FIFO would block), a link back to a folder's own ancestor is refused (timm
-    reads the loop until the path is too long), a folder name under two parents and images outside any
-    class folder are refused (timm makes them a class), and what is skipped is named in a warning."""
+    reads the loop until the path is too long), a folder name under two parents, images outside any
+    class folder and a folder of images inside a class folder are refused (timm makes each a class),
+    and what is skipped is named in a warning."""
     from timm.utils.misc import natural_key
 
     images: list[tuple[str, str]] = []
@@ -292,9 +372,24 @@ def scan_folder(folder: Path) -> tuple[list[tuple[str, int]], dict[str, int]]:
                 "image's folder name: they would be merged into one class. Rename one, or move the images "
                 "up into their class folder."
             )
+    _refuse_nested(folder, set(where.values()))
     classes = {name: i for i, name in enumerate(sorted(where, key=natural_key))}
     samples = [(path, classes[os.path.basename(relative)]) for path, relative in images]
     return sorted(samples, key=lambda s: natural_key(s[0])), classes
+
+
+def _refuse_nested(folder: Path, image_folders: set[str]) -> None:
+    """No folder of images lies inside another (a class folder): its images would be a class of their own."""
+    for relative in sorted(image_folders):
+        outer = next((p for p in Path(relative).parents if str(p) in image_folders), None)
+        if outer is not None:
+            inner = os.path.basename(relative)
+            raise DataError(
+                f"{folder}/{relative} is a folder of images inside the class folder {folder}/{outer}: a "
+                f"class is an image's own folder name, so its images would become a class '{inner}' of "
+                f"their own, not images of '{outer.name}'. Move them up into {folder}/{outer}/ if they are "
+                f"'{outer.name}', or move {inner}/ beside it to make it a class."
+            )
 
 
 def data_config(model: nn.Module) -> dict[str, Any]:
@@ -317,40 +412,14 @@ def data_config(model: nn.Module) -> dict[str, Any]:
     return config
 
 
-def _image_folder(root: Path, model: nn.Module, augmentation: Augmentation) -> LabelledData:
-
-    train_dir, val_dir = _split_folders(root)
+def _image_folder(
+    root: Path, train_dir: Path, val_dir: Path, model: nn.Module, augmentation: Augmentation
+) -> LabelledData:
     config = data_config(model)
-    mode = "L" if config["input_size"][0] == 1 else "RGB"
-    splits = []
-    for folder, training in ((train_dir, True), (val_dir, False)):
-        try:
-            dataset = _strict_dataset(folder, mode)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise DataError(f"cannot read the image folder {folder}: {exc}") from exc
-        if len(dataset) == 0:
-            raise DataError(f"{folder} holds no images (expected {folder}/<class>/<image files>).")
-        dataset.transform = _transform(config, augmentation if training else None)
-        dataset.input_size = tuple(config["input_size"])  # what make_loader's budget check reads
-        splits.append(dataset)
-    train, val = splits
+    train, val = _split(train_dir, config, augmentation), _split(val_dir, config, None)
     classes = train.reader.class_to_idx
-    if val.reader.class_to_idx != classes:
-        only = [
-            f"only {folder.name}/ has {', '.join(sorted(set(a) - set(b))[:5])}"
-            for folder, a, b in ((train_dir, classes, val.reader.class_to_idx),
-                                 (val_dir, val.reader.class_to_idx, classes))
-            if set(a) - set(b)
-        ]  # fmt: skip
-        raise DataError(
-            f"{train_dir} and {val_dir} hold different class folders ({'; '.join(only)}); both need the "
-            "same class names."
-        )
-    if len(classes) < 2:
-        raise DataError(
-            f"{train_dir} holds one class folder ({', '.join(classes)}): a classifier of one class is always "
-            "right, so training and accuracy would mean nothing. Add a folder per class (at least two)."
-        )
+    _same_classes(train_dir, classes, val_dir, val.reader.class_to_idx)
+    _at_least_two(train_dir, classes)
     shared = _folders(train) & _folders(val)
     if shared:
         raise DataError(
@@ -358,6 +427,48 @@ def _image_folder(root: Path, model: nn.Module, augmentation: Augmentation) -> L
             "validation would measure the training images. Give val/ images of its own."
         )
     return LabelledData(str(root), train, val, len(classes))
+
+
+def _split(folder: Path, config: dict[str, Any], augmentation: Augmentation | None) -> Dataset:
+    """The images of ``folder`` with timm's transform for ``config``: training with ``augmentation``,
+    else evaluation (None)."""
+    mode = "L" if config["input_size"][0] == 1 else "RGB"
+    try:
+        dataset = _strict_dataset(folder, mode)
+    except DataError:
+        raise
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise DataError(f"cannot read the image folder {folder}: {exc}") from exc
+    if len(dataset) == 0:
+        raise DataError(f"{folder} holds no images (expected {folder}/<class>/<image files>).")
+    dataset.transform = _transform(config, augmentation)
+    dataset.input_size = tuple(config["input_size"])  # what make_loader's budget check reads
+    return dataset
+
+
+def _same_classes(
+    train_dir: Path, classes: dict[str, int], val_dir: Path, val_classes: dict[str, int]
+) -> None:
+    """Both splits hold the same class folders (a class's index is its place among them)."""
+    if val_classes == classes:
+        return
+    only = [
+        f"only {folder.name}/ has {', '.join(sorted(set(a) - set(b))[:5])}"
+        for folder, a, b in ((train_dir, classes, val_classes), (val_dir, val_classes, classes))
+        if set(a) - set(b)
+    ]
+    raise DataError(
+        f"{train_dir} and {val_dir} hold different class folders ({'; '.join(only)}); both need the "
+        "same class names."
+    )
+
+
+def _at_least_two(folder: Path, classes: dict[str, int]) -> None:
+    if len(classes) < 2:
+        raise DataError(
+            f"{folder} holds one class folder ({', '.join(classes)}): a classifier of one class is always "
+            "right, so training and accuracy would mean nothing. Add a folder per class (at least two)."
+        )
 
 
 def _folders(dataset: Dataset) -> set[str]:
@@ -413,7 +524,7 @@ def make_loader(
     sampler = DistributedSampler(
         dataset, num_replicas=world_size if train else 1, rank=rank if train else 0, shuffle=train, seed=seed
     )
-    return DataLoader(
+    return _Loader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -421,6 +532,30 @@ def make_loader(
         num_workers=workers,
         persistent_workers=False,
     )
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose workers' DataErrors read as the main process's: torch raises a worker's error
+    again with the worker's whole traceback in its message, where ``workers=0`` gives the one line."""
+
+    def __iter__(self):
+        batches = super().__iter__()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except DataError as exc:
+                raise DataError(_raised_in_worker(str(exc))) from None
+            yield batch
+
+
+def _raised_in_worker(message: str) -> str:
+    """The message a worker's DataError was raised with, out of torch's "Caught DataError in
+    DataLoader worker process N. Original Traceback ..." (which ends with the error's own line)."""
+    if not message.startswith(f"Caught {DataError.__name__} in DataLoader worker"):
+        return message
+    return message.rpartition(f"{DataError.__module__}.{DataError.__qualname__}: ")[2].rstrip("\n")
 
 
 # -- what fine-tuning checks of its data -----------------------------------------------------------
