@@ -18,7 +18,13 @@ import pytest
 import torch
 from test_datasets import image_folder
 
+import odeify
 from odeify.cli.parser import main
+from odeify.compiler import conversion
+from odeify.compiler.verification import VERIFY_SEED, VerificationError
+from odeify.models import DEFAULT_MODEL_PATH
+from odeify.models.loading import load_model
+from odeify.train.evaluate import evaluate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,6 +64,40 @@ def test_case2_finetune_with_workers_names_an_unreadable_image_in_one_line(
         errors[workers] = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors["0"]) == 1 and f"cannot read the image {broken}" in errors["0"][0]
     assert errors["2"] == errors["0"]  # was the worker's whole traceback inside the message
+
+
+# -- case 3: a bfloat16 model converts; its check's tolerance follows bfloat16's round-off -----------
+def test_case3_a_bfloat16_model_converts_and_a_wrong_weight_is_still_caught(
+    digits,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    source = load_model(DEFAULT_MODEL_PATH).bfloat16()
+    converted = odeify.convert(source)  # raised VerificationError: 0.0142 over a tolerance of 1e-2
+    check = converted.meta["odeify"]["verification"]
+    x = torch.randn(check.input_shape, generator=torch.Generator().manual_seed(VERIFY_SEED))
+    with torch.no_grad():
+        exact = load_model(DEFAULT_MODEL_PATH).double()(x.double())
+        roundoff = float((source(x.bfloat16()).double() - exact).abs().max() / exact.abs().max())
+    assert check.passed and 0.004 < roundoff < 0.01
+    assert check.tolerance == pytest.approx(4 * max(roundoff, torch.finfo(torch.bfloat16).eps))
+    batches = [(digits.val.tensors[0], digits.val.tensors[1])]
+    scores = [evaluate(model, batches).accuracy for model in (source, converted)]
+    assert abs(scores[0] - scores[1]) <= 2 / len(digits.val)  # the converted model scores the source's
+
+    real = conversion.CONVERT
+
+    class Broken:  # one knot bias shifted after the pipeline: a conversion that is wrong
+        def run(self, job):  # noqa: ANN001, ANN202
+            job = real.run(job)
+            with torch.no_grad():
+                job.gm.get_parameter("layer1_ode.knots.conv2_bias")[1] += 0.5
+            return job
+
+    monkeypatch.setattr(conversion, "CONVERT", Broken())
+    with pytest.raises(VerificationError) as raised:
+        odeify.convert(source)
+    wrong = raised.value.verification
+    assert wrong.tolerance == check.tolerance and wrong.relative_error > 5 * wrong.tolerance
 
 
 # -- case 5: eval reads val/ (or test/, or a flat folder) without a train/ ----------------------------
