@@ -448,9 +448,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=RESULTS / "any_depth.md", help="the results file")
     parser.add_argument("--report", action="store_true", help="only rewrite the results from the cache")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    if not args.report:
-        sweep(args)
+    torch.set_num_threads(1)  # one thread, as the corpus was measured: a run does not depend on the load
+    if args.report:
+        report(args, argv)
+        return
+    sweep(args)
     report(args, argv)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crash_after import CrashAfter
 from safetensors import safe_open
 
 import odeify
@@ -181,22 +182,6 @@ def test_a_run_for_several_depths_scores_each_and_keeps_the_worst(
         assert accuracy(model, digits) == pytest.approx(recorded, abs=1e-12)
     header, *rows = (tmp_path / SUMMARY_FILE).read_text().splitlines()
     assert header.endswith("eval_top1_native,eval_top1_x0.5") and len(rows) == 3
-
-
-class CrashAfter(torch.utils.data.Dataset):
-    """The digits training split, raising once ``limit`` samples have been read: a crash mid-run."""
-
-    def __init__(self, base: torch.utils.data.Dataset, limit: int) -> None:
-        self.base, self.limit, self.reads = base, limit, 0
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, index: int):
-        self.reads += 1
-        if self.reads > self.limit:
-            raise RuntimeError("simulated crash")
-        return self.base[index]
 
 
 def test_a_run_for_several_depths_is_deterministic_for_a_seed_and_resumes_exactly(

@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from crash_after import CrashAfter
 from safetensors import safe_open
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 import odeify
 from odeify.core.lock import LOCK_FILE
@@ -199,22 +200,6 @@ def test_finetune_trains_and_writes_loadable_checkpoints(
         n for n, p in result.model.named_parameters() if ".knots." in n and not torch.equal(p, before[n])
     ]
     assert changed, "no knot tensor was trained"
-
-
-class CrashAfter(Dataset):
-    """The digits training split, raising once ``limit`` samples have been read: a crash mid-run."""
-
-    def __init__(self, base: TensorDataset, limit: int) -> None:
-        self.base, self.limit, self.reads = base, limit, 0
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, index: int):
-        self.reads += 1
-        if self.reads > self.limit:
-            raise RuntimeError("simulated crash")
-        return self.base[index]
 
 
 @pytest.mark.parametrize(

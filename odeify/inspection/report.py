@@ -39,6 +39,7 @@ class StageReport:
     nfe: int
     backward: str
     parameters: int
+    fitted_steps: tuple[int, ...] | None = None  # the steps its knots were calibrated or fine-tuned for
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ def describe(converted: nn.Module, name: str | None = None) -> ConversionReport:
             nfe=count_evaluations(stage),
             backward=stage.backward,
             parameters=sum(p.numel() for p in stage.knots.parameters() if p.requires_grad),
+            fitted_steps=stage.fitted_steps,
         )
         for stage in converted_stages(converted)
     )
@@ -211,6 +213,7 @@ def format_report_table(report: ConversionReport) -> Table:
         ("NFE", "right", str(report.nfe)),
         ("backward", "left", ""),
         ("knot params", "right", f"{report.knot_parameters:,}"),
+        ("fitted for steps", "right", ""),
     )
     for header, justify, footer in columns:
         table.add_column(header, footer, justify=justify)  # type: ignore[arg-type]
@@ -226,6 +229,7 @@ def format_report_table(report: ConversionReport) -> Table:
             str(s.nfe),
             _text(s.backward),
             f"{s.parameters:,}",
+            ", ".join(map(str, s.fitted_steps)) if s.fitted_steps else "-",
         )
     return table
 
