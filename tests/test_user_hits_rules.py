@@ -155,3 +155,37 @@ def test_case15_convert_ema_names_the_weights_once(tmp_path: Path, capsys: pytes
     assert main(["convert", str(path), "--ema", "--input-size", "3", "32", "32"]) == 0
     captured = capsys.readouterr()
     assert (captured.out + captured.err).count(f"using the EMA weights ('state_dict_ema') of {path}") == 1
+
+
+# -- case 14: what finetune's log and files say ------------------------------------------------------
+def _val_accuracy(model: torch.nn.Module, data) -> float:  # noqa: ANN001
+    """A plain argmax loop over the validation split (not odeify.train.evaluate)."""
+    loader = torch.utils.data.DataLoader(data.val, batch_size=256)
+    with torch.no_grad():
+        right = sum(int((model.eval()(x).argmax(1) == y).sum()) for x, y in loader)
+    return right / len(data.val)
+
+
+def test_case14_finetune_says_what_each_accuracy_is(native, digits, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """At one step per stage the run calibrates first: the log gives the file's own accuracy before
+    calibration, labels epoch 0 as after it, the teacher's score as the teacher's, names the command
+    line's flags and no Python argument; summary.csv holds no float noise; --help says a flag left out
+    takes the file's recorded augmentation."""
+    path, run = tmp_path / "digits.safetensors", tmp_path / "run"
+    odeify.save(native, path)
+    argv = ["finetune", str(path), "--data", "digits", "--steps", "1", "--max-batches", "2", "--batch-size",
+            "16", "--epochs", "1", "--out", str(run)]  # fmt: skip
+    assert main(argv) == 0
+    log = " ".join(capsys.readouterr().out.split())
+    given = _val_accuracy(odeify.retarget(native, steps=1), digits)
+    assert f"the model as given (before calibration): val accuracy {given:.2%}" in log
+    start = json.loads((run / "history.json").read_text())[0]["val_accuracy"]
+    assert f"epoch 0 (after calibration, before fine-tuning): val accuracy {start:.2%}" in log
+    assert f"from the teacher; the teacher's own val accuracy {_val_accuracy(native, digits):.2%}" in log
+    assert "--no-calibrate" in log and "calibrate_first" not in log and "calibrate_objective" not in log
+    for row in (run / "summary.csv").read_text().splitlines()[1:]:
+        for cell in row.split(",")[1:]:
+            assert len(cell.lstrip("-0.").replace(".", "").split("e")[0]) <= 8, row  # 8 significant digits
+    assert main(["finetune", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "A flag left out takes the value the model's file recorded for its source's training" in help_text

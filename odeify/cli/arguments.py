@@ -197,21 +197,22 @@ def data_arguments(parser: argparse.ArgumentParser, batch_size: int | None = 256
 
 
 def augmentation_arguments(parser: argparse.ArgumentParser) -> None:
-    """timm train.py's training augmentation flags, its names, meanings and defaults (image folders)."""
+    """timm train.py's training augmentation flags, its names and meanings (image folders); a flag left
+    out takes what the model's file recorded for its source's training, else timm's default."""
     group = parser.add_argument_group(
-        "training augmentation (timm train.py's flags and defaults; an image folder's train/ split)"
+        "training augmentation (timm train.py's flags; an image folder's train/ split)",
+        "A flag left out takes the value the model's file recorded for its source's training (timm "
+        "train.py's args, kept by convert; the run's log says which), else timm's default, in parentheses.",
     )
     group.add_argument("--no-aug", action="store_true", default=None, help="no augmentation: resize and crop")
     group.add_argument("--scale", nargs=2, type=fraction, metavar="PCT",
-                       help="random-resized-crop area range (default 0.08 1.0)")  # fmt: skip
+                       help="random-resized-crop area range (0.08 1.0)")  # fmt: skip
     group.add_argument("--ratio", nargs=2, type=positive_float, metavar="RATIO",
-                       help="random-resized-crop aspect range (default 0.75 1.33)")  # fmt: skip
+                       help="random-resized-crop aspect range (0.75 1.33)")  # fmt: skip
     group.add_argument("--hflip", type=fraction, metavar="PROB", help="horizontal flip probability (0.5)")
     group.add_argument("--vflip", type=fraction, metavar="PROB", help="vertical flip probability (0)")
     group.add_argument("--color-jitter", type=nonnegative_float, metavar="PCT", help="colour jitter (0.4)")
-    group.add_argument(
-        "--aa", metavar="NAME", help="AutoAugment policy, e.g. rand-m9-mstd0.5 (default: none)"
-    )
+    group.add_argument("--aa", metavar="NAME", help="AutoAugment policy, e.g. rand-m9-mstd0.5 (none)")
     group.add_argument("--reprob", type=fraction, metavar="PROB", help="random erasing probability (0)")
     group.add_argument("--mixup", type=nonnegative_float, metavar="ALPHA", help="mixup alpha (0: off)")
     group.add_argument("--cutmix", type=nonnegative_float, metavar="ALPHA", help="cutmix alpha (0: off)")

@@ -98,6 +98,7 @@ from odeify.train.progress import (
     finished_note,
     header,
     loss_name,
+    option,
     refine_message,
     run_summary,
     teacher_line,
@@ -197,7 +198,8 @@ def finetune(
     fine-tuning; when it is not known, the run says so and trains on the labels. ``max_batches``
     cuts each epoch short (quick tries). ``run_info`` is recorded with the run and must match on
     resume, with every other setting (a resumed run continues the recorded one), except
-    ``recipe.epochs``, which may grow: a finished run then trains further. ``deterministic`` makes
+    ``recipe.epochs``, which may grow: a finished run then trains further; a ``"cli"`` entry (the
+    command line's) makes the log name its flags, not Python's arguments. ``deterministic`` makes
     torch use deterministic kernels (on GPUs: what an exact resume and the reversible backward's
     bit-exact rebuild need). ``progress``: a bar on a terminal, else a log line every
     ``log_interval`` batches. ``calibrate_first``: a new run of a coarse manifestation (fewer steps
@@ -207,6 +209,7 @@ def finetune(
     (default ``"output"``: the last stage fitted to the network's output too; ``"stage"``: not).
     """
     refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
+    cli = "cli" in (run_info or {})  # the command line's run: the log names its flags, not Python's
     check_objective(calibrate_objective, "calibrate_objective")
     recipe = recipe_for(model, recipe)
     check_data(data, model)
@@ -218,21 +221,24 @@ def finetune(
         # before anything changes the model: what it holds now is its source where nothing else is kept
         record_source(model, [name for name, p in model.named_parameters() if p.requires_grad])
         recipe = _match_classes(model, data, recipe, seed)
-        teacher, recipe = _teacher(model, recipe, teacher)
+        teacher, recipe = _teacher(model, recipe, teacher, cli)
         started_from = run_fingerprint(model, teacher, data) if folder is not None else {}
         run = _run_record(recipe, refine_epochs, seed, max_batches, procs, run_info)
         loader, val_loader, batches = _loaders(data, recipe, seed, procs, workers, max_batches)
         _log_start(model, data, procs)
         model = model.to(procs.device)
         plan = DepthPlan.of(model, recipe.depths) if recipe.depths is not None else None
-        if calibrate_first and not resume:
-            _calibrate_in_place(model, data, seed, procs, calibrate_objective, plan)
+        calibrated = calibrate_first and not resume
+        if calibrated:
+            calibrated = _calibrate_in_place(
+                model, data, seed, procs, calibrate_objective, plan, val_loader, cli
+            )
         mark_trained_depths(model, plan)
         trainer = Trainer(model, recipe, procs, batches * recipe.epochs, teacher)
         if resume:
             history = _resume(trainer, require_folder(folder), run, refine_epochs, started_from)
         else:
-            history = _begin(trainer, val_loader, folder, plan)
+            history = _begin(trainer, val_loader, folder, plan, calibrated, cli)
         for epoch in range(len(history), recipe.epochs + 1):
             if epoch in refine_epochs:
                 _refine(trainer, epoch)
@@ -301,31 +307,37 @@ def _log_epoch(trainer: Trainer, history: list[EpochRecord], folder: Path | None
 
 def _calibrate_in_place(
     model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes, objective: str,
-    plan: DepthPlan | None,
-) -> None:  # fmt: skip
+    plan: DepthPlan | None, val_loader, cli: bool,
+) -> bool:  # fmt: skip
     """Calibrate ``model`` on its training images when it is coarse (at a depth trained for) and its
-    source known; for every depth of ``plan`` when there is one."""
+    source known; for every depth of ``plan`` when there is one. Logs the model's accuracy as given
+    first (the run's epoch 0 is measured after); returns whether it calibrated."""
     stages = converted_stages(model)
     steps = [{s.stage_name: s.steps for s in stages}] if plan is None else list(plan.steps)
     coarse = [s for s in stages if min(s.num_knots, *(d[s.stage_name] for d in steps)) < s.depth]
     if not coarse:
-        return
+        return False
     why = unknown_source(model)
     if why is not None:
         if procs.is_main:
             LOGGER.info(f"note: not calibrated before fine-tuning: the source network is not known ({why})")
-        return
+        return False
+    given = validation_at_depths(model, val_loader, procs, plan)[0]
+    if procs.is_main:
+        LOGGER.info(f"the model as given (before calibration): val accuracy {given:.2%}")
     torch.manual_seed(seed)  # a split whose transform cannot be swapped for the evaluation one may draw
     depths = {} if plan is None else {"steps": list(plan.labels)}
     calibrated, report = calibrate(model, data, seed=seed, progress=False, objective=objective, **depths)
     with torch.no_grad():  # in place: the caller's model (and its hooks) is the one that trains
         model.load_state_dict(calibrated.state_dict())
     if procs.is_main:
+        setting = option(f"calibrate_objective={objective!r}", f"--calibrate-objective {objective}", cli)
+        without = option("calibrate_first=False", "--no-calibrate", cli)
         LOGGER.info(
-            f"the coarse stages are fitted to the source network before fine-tuning, objective {objective!r} "
-            "(calibrate_objective, --calibrate-objective; calibrate_first=False, --no-calibrate: start from "
-            f"the retargeted knots); {report}"
+            f"the coarse stages are fitted to the source network before fine-tuning ({setting}; {without} "
+            f"starts from the retargeted knots); {report}"
         )
+    return True
 
 
 def _run_folder(out: str | os.PathLike[str] | None, resume: bool) -> Path | None:
@@ -414,7 +426,7 @@ def _check_arguments(
 
 
 def _teacher(
-    model: fx.GraphModule, recipe: Recipe, teacher: nn.Module | str | os.PathLike[str] | None
+    model: fx.GraphModule, recipe: Recipe, teacher: nn.Module | str | os.PathLike[str] | None, cli: bool
 ) -> tuple[nn.Module | None, Recipe]:
     """The model to distill from, in eval mode, and the recipe to train with.
 
@@ -431,7 +443,8 @@ def _teacher(
         return source_network(model), recipe
     LOGGER.warning(
         f"note: no teacher: the source network of this model is not known ({why}), so it trains on the "
-        "labels alone. Pass the source as a teacher (teacher=..., --teacher FILE) to distill from it."
+        f"labels alone. Pass the source as a teacher ({option('teacher=...', '--teacher FILE', cli)}) to "
+        "distill from it."
     )
     return None, replace(recipe, distill=0.0)
 
@@ -463,8 +476,11 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _begin(trainer: Trainer, val_loader, folder: Path | None, plan: DepthPlan | None) -> list[EpochRecord]:
-    """Evaluate the model (and the teacher) before training: the history's epoch 0."""
+def _begin(
+    trainer: Trainer, val_loader, folder: Path | None, plan: DepthPlan | None, calibrated: bool, cli: bool
+) -> list[EpochRecord]:
+    """Evaluate the model (and the teacher) before training: the history's epoch 0 (after calibration,
+    when the run calibrated)."""
     procs = trainer.procs
     accuracy, loss, at_depths = validation_at_depths(trainer.model, val_loader, procs, plan)
     start = EpochRecord(0, accuracy, val_loss=loss, depth_accuracy=at_depths, **stage_shape(trainer.model))
@@ -472,11 +488,12 @@ def _begin(trainer: Trainer, val_loader, folder: Path | None, plan: DepthPlan | 
         save(trainer.model, folder / BEST_FILE)
     teacher = validate(trainer.teacher, val_loader, procs) if trainer.teacher is not None else None
     if procs.is_main:
-        LOGGER.info(f"epoch 0 (before fine-tuning): val accuracy {start.val_accuracy:.2%}")
+        when = "after calibration, before fine-tuning" if calibrated else "before fine-tuning"
+        LOGGER.info(f"epoch 0 ({when}): val accuracy {start.val_accuracy:.2%}")
         if start.depth_accuracy:
             LOGGER.info(depths_line(start))
         if teacher is not None:
-            LOGGER.info(teacher_line(teacher, start.val_accuracy, trainer.recipe))
+            LOGGER.info(teacher_line(teacher, start.val_accuracy, trainer.recipe, cli))
     return [start]
 
 

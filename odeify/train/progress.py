@@ -102,13 +102,21 @@ def loss_name(recipe: Recipe, distilling: bool) -> str:
     return f"loss ({1 - recipe.distill:g} cross-entropy + {recipe.distill:g} distillation)"
 
 
-def teacher_line(teacher_accuracy: float, start: float, recipe: Recipe) -> str:
+def option(python: str, flag: str, cli: bool) -> str:
+    """An option as the caller spells it: the command line's ``flag``, or the ``python`` argument."""
+    return flag if cli else python
+
+
+def teacher_line(teacher_accuracy: float, start: float, recipe: Recipe, cli: bool = False) -> str:
     line = (
-        f"distilling (weight {recipe.distill:g}, temperature {recipe.temperature:g}) from the teacher: "
-        f"val accuracy {teacher_accuracy:.2%}"
+        f"distilling (weight {recipe.distill:g}, temperature {recipe.temperature:g}) from the teacher; "
+        f"the teacher's own val accuracy {teacher_accuracy:.2%}"
     )
     if teacher_accuracy < start:
-        line += " -- below the model's own; fine-tune without distillation (distill=0, --distill 0) instead"
+        line += (
+            " -- below the model's own; fine-tune without distillation "
+            f"({option('distill=0', '--distill 0', cli)}) instead"
+        )
     if recipe.distill == 1:
         line += (
             "; the loss shown is the distillation term alone, 0 where the model computes its teacher's "

@@ -162,8 +162,8 @@ def write_history(path: Path, history: list[EpochRecord]) -> None:
 def write_summary(path: Path, history: list[EpochRecord]) -> None:
     """The run's history as a CSV like timm's ``summary.csv``: one row per epoch (:data:`SUMMARY_COLUMNS`)."""
 
-    def cell(value: float | None, scale: float = 1.0) -> str:
-        return "" if value is None else repr(value * scale)
+    def cell(value: float | None, scale: float = 1.0) -> str:  # 8 significant digits: no float noise
+        return "" if value is None else f"{value * scale:.8g}"  # 34.7, not 34.699999999999996
 
     depths = list(dict.fromkeys(label for r in history for label in r.depth_accuracy))
     rows = [",".join([*SUMMARY_COLUMNS, *(f"eval_top1_{label}" for label in depths)])]
