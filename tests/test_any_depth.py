@@ -210,3 +210,27 @@ def test_one_depth_trains_as_before(native, digits: LabelledData) -> None:
     result = finetune(model, digits, replace(QUICK, depths=None, epochs=1), **COMMON)
     assert result.history[-1].depth_accuracy == {}
     assert [s.fitted_steps for s in odeify.converted_stages(result.model)] == [(1,), (1,)]
+
+
+def test_torch_export_records_the_depth_switched_to(native, digits, image, tmp_path: Path) -> None:
+    """One file, exported at two depths without re-conversion: each export computes its depth."""
+    odeify.save(odeify.calibrate(euler(native), digits, steps=["native", "x0.5"], images=32, iterations=3,
+                                 progress=False)[0], tmp_path / "any.safetensors")  # fmt: skip
+    model, x = odeify.load(tmp_path / "any.safetensors"), image((2, 1, 32, 32))
+    for depth in ("x0.5", "native"):
+        odeify.set_steps(model, depth)
+        exported = torch.export.export(model, (x,))
+        torch.testing.assert_close(exported.module()(x), model(x), rtol=0, atol=0)
+    assert not torch.equal(odeify.set_steps(model, "x0.5")(x), odeify.set_steps(model, "native")(x))
+
+
+def test_a_switch_keeps_every_module_in_the_models_mode(native) -> None:
+    """Re-emitted segments were built in training mode under an eval model (torch.export then refused)."""
+    model = euler(native).eval()
+    for change in (
+        lambda m: odeify.set_steps(m, "x0.5"),
+        lambda m: odeify.set_backward(m, "checkpoint"),
+        lambda m: odeify.retarget(m, steps=1),
+    ):
+        assert not [name for name, module in change(model).named_modules() if module.training]
+    assert all(module.training for module in odeify.set_steps(model.train(), 1).modules())

@@ -202,7 +202,7 @@ def retarget(
     settings = _settings({k: v for k, v in requested.items() if v is not None}, fill=False)
     job = Job(gm=copy.deepcopy(converted), settings_for=settings)
     job.whole_model = _whole_model(backward, has_segments(converted))
-    gm = guard_input_dtype(REMANIFEST.run(job).gm)
+    gm = guard_input_dtype(REMANIFEST.run(job).gm).train(converted.training)  # new segments start in train
     _record_steps(gm, steps)
     warn_refined_knots({s.stage_name: s.num_knots for s in converted_stages(converted)}, gm)
     if steps is not None:
@@ -224,7 +224,7 @@ def set_steps(converted: fx.GraphModule, steps: StepsSpec) -> fx.GraphModule:
     settings = _settings({"steps": steps}, fill=False)
     check_manifestation(converted, settings([s.stage_name for s in converted_stages(converted)]))
     job = Job(gm=converted, settings_for=settings, whole_model=has_segments(converted))
-    gm = REMANIFEST.run(job).gm
+    gm = REMANIFEST.run(job).gm.train(converted.training)  # re-emitted segments start in train mode
     _record_steps(gm, steps)
     warn_unfitted_depth(gm)
     return gm
@@ -247,7 +247,7 @@ def set_backward(converted: fx.GraphModule, backward: str | Mapping[str, str]) -
     job = Job(
         gm=converted, settings_for=settings, whole_model=_whole_model(backward, has_segments(converted))
     )
-    return REMANIFEST.run(job).gm
+    return REMANIFEST.run(job).gm.train(converted.training)  # re-emitted segments start in train mode
 
 
 def check_materialized(model: nn.Module, what: str) -> None:
