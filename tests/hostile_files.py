@@ -272,6 +272,8 @@ def write_cases(valid: Path, folder: Path) -> dict[str, tuple[str, Path]]:
     put("own check", "fold_records_removed", state=no_records)
     # --- sizes a few bytes can ask for: refused against a budget, before anything is allocated
     put("resources", "input_shape_2_64_4096_4096", top("input_shape", [2, 64, 4096, 4096]))
+    put("resources", "input_shape_1_1_4096_4096", top("input_shape", [1, 1, 4096, 4096]))  # the probe's
+    put("resources", "input_shape_8_1_4096_4096", top("input_shape", [8, 1, 4096, 4096]))  # 3.1 GiB
     put(
         "resources",
         "module_points_at_extra_tensor",

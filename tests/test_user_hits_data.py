@@ -15,13 +15,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
+from hostile_files import RECIPE_KEY
+from safetensors import safe_open
 from test_datasets import image_folder
 
 import odeify
 from odeify.cli.parser import main
 from odeify.compiler import conversion
 from odeify.compiler.verification import VERIFY_SEED, VerificationError
+from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.loading import load_model
 from odeify.train.evaluate import evaluate
@@ -98,6 +102,39 @@ def test_case3_a_bfloat16_model_converts_and_a_wrong_weight_is_still_caught(
         odeify.convert(source)
     wrong = raised.value.verification
     assert wrong.tolerance == check.tolerance and wrong.relative_error > 5 * wrong.tolerance
+
+
+# -- case 4: what a file's input size asks the load probe to hold is bounded before it is allocated -----
+def test_case4_the_probe_of_a_huge_recorded_input_is_refused_before_it_runs(
+    native: torch.nn.Module, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from odeify.serialization import probe
+
+    valid = tmp_path / "valid.safetensors"
+    odeify.save(native, valid)
+    with safe_open(str(valid), framework="pt") as handle:
+        recipe = json.loads(handle.metadata()[RECIPE_KEY])
+    tensors = safetensors.torch.load_file(str(valid))
+
+    def ran(*args: object) -> None:
+        raise AssertionError("the probe ran")
+
+    monkeypatch.setattr(probe, "_points", ran)  # before: 22-25 s and 3-4 GB in here, then a refusal
+    for batch in (1, 8):  # the probe runs batch 1 whatever the file says; 8 ended in an allocator error
+        path = tmp_path / f"input_{batch}.safetensors"
+        metadata = {RECIPE_KEY: json.dumps({**recipe, "input_shape": [batch, 1, 4096, 4096]})}
+        path.write_bytes(safetensors.torch.save(tensors, metadata=metadata))
+        refused = r"the probe, on one 1x4096x4096 input .* would hold [\d.]+ GiB at once, over the limit"
+        with pytest.raises(ModelLoadError, match=refused):
+            odeify.load(path)
+    monkeypatch.setenv("ODEIFY_MAX_INPUT_BYTES", str(2**34))  # the bound alone stopped it
+    with pytest.raises(AssertionError, match="the probe ran"):
+        odeify.load(path)
+    monkeypatch.delenv("ODEIFY_MAX_INPUT_BYTES")
+    large = odeify.convert(str(DEFAULT_MODEL_PATH), input_size=(1, 1, 4096, 4096), verify=False)
+    with pytest.raises(OdeifyError, match="odeify.save refuses to write .* would hold"):
+        odeify.save(large, tmp_path / "large.safetensors")  # save refuses what load would
+    assert not (tmp_path / "large.safetensors").exists()
 
 
 # -- case 5: eval reads val/ (or test/, or a flat folder) without a train/ ----------------------------

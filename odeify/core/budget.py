@@ -20,6 +20,7 @@ __all__ = [
     "check_input_bytes",
     "check_knot_bytes",
     "check_model_bytes",
+    "check_probe_bytes",
     "limit",
 ]
 
@@ -34,7 +35,8 @@ LIMITS = {
     # in_chans, ...): a billion float32 numbers; the largest timm ResNet-family models hold under a quarter
     "ODEIFY_MAX_MODEL_BYTES": 4 * 2**30,
     # input data held at once: an example batch (tracing, --verify, the load-time probe) or a data split
-    # kept in memory (the digits set at the model's input size); 64 x 3 x 1024 x 1024 float32 is 0.75 GiB
+    # kept in memory (the digits set at the model's input size); 64 x 3 x 1024 x 1024 float32 is 0.75 GiB;
+    # and what the probe's float64 forward holds at once (resnet50 at 224: 0.07 GiB, at 1024: 0.49 GiB)
     "ODEIFY_MAX_INPUT_BYTES": 2**30,
 }
 _IN_BYTES = {"ODEIFY_MAX_KNOT_BYTES", "ODEIFY_MAX_MODEL_BYTES", "ODEIFY_MAX_INPUT_BYTES"}
@@ -120,6 +122,17 @@ def check_input_bytes(
         count * itemsize,
         f"{what} of shape {list(shape)} would hold {_gib(count * itemsize)}",
         fix,
+    )
+
+
+def check_probe_bytes(what: str, nbytes: int) -> None:
+    """Refuse a probe (a saved model's forward on its recorded input size) that would hold ``nbytes``
+    at once, over the input limit: the size comes from a file, and its activations grow with it."""
+    _refuse_above(
+        "ODEIFY_MAX_INPUT_BYTES",
+        nbytes,
+        f"{what} would hold {_gib(nbytes)} at once",
+        "convert at a smaller input size (input_size=, --input-size)",
     )
 
 

