@@ -234,3 +234,9 @@ def test_a_switch_keeps_every_module_in_the_models_mode(native) -> None:
     ):
         assert not [name for name, module in change(model).named_modules() if module.training]
     assert all(module.training for module in odeify.set_steps(model.train(), 1).modules())
+
+
+def test_an_integrator_that_cannot_run_at_a_listed_depth_is_refused_naming_it(native, digits) -> None:
+    alf = odeify.retarget(native, integrator="alf", backward="reversible")  # needs a multiple of its knots
+    with pytest.raises(odeify.ConfigError, match=r"cannot run at depth x0\.5.*--integrator"):
+        finetune(alf, digits, QUICK, **COMMON)

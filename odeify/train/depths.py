@@ -84,7 +84,14 @@ class DepthPlan:
         with warnings.catch_warnings():  # fitting these depths is what the run is for
             warnings.simplefilter("ignore", UnfittedDepthWarning)
             for spec in (*specs, specs[0]):
-                set_steps(model, spec)
+                try:
+                    set_steps(model, spec)
+                except ConfigError as exc:
+                    raise ConfigError(
+                        f"the model cannot run at depth {spec}, one of the depths to train for: {exc} "
+                        "Every stage runs at every listed depth: pick an integrator that does (euler, "
+                        "reversible_heun; --integrator), or leave that depth out."
+                    ) from None
                 resolved.append({s.stage_name: s.steps for s in converted_stages(model)})
         resolved.pop()
         for index, steps in enumerate(resolved):
