@@ -9,6 +9,7 @@ and what ``odeify.load`` does with the file that ``odeify.save`` wrote.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -162,6 +163,37 @@ def test_case5_eval_needs_no_train_folder_and_says_which_it_read(
     shutil.rmtree(full / "val")  # train/ alone: evaluation does not read the training images
     code, _, err = _eval(capsys, full)
     assert code == 2 and "has train/ but no val/" in err
+
+
+# -- case 6: what save writes, load reads: a classifier replaced after conversion is refused by save ---
+def test_case6_save_refuses_a_classifier_that_load_could_not_rebuild(
+    native: torch.nn.Module,
+    tmp_path: Path,
+    image,  # noqa: ANN001
+) -> None:
+    for replaced, words in ((torch.nn.Linear(32, 10, bias=False), "fc (Linear: weight 10x32)"),
+                            (torch.nn.Linear(32, 12), "fc (Linear: weight 12x32, bias 12)")):  # fmt: skip
+        model = copy.deepcopy(native)
+        model.fc = replaced
+        path = tmp_path / "replaced.safetensors"
+        with pytest.raises(OdeifyError, match="odeify.save refuses to write") as refused:
+            odeify.save(model, path)  # was written, then load said "missing fc.bias"
+        assert not path.exists()
+        for said in (words, "is not the one its recipe rebuilds", "Linear: weight 10x32, bias 10",
+                     "reset_classifier"):  # fmt: skip
+            assert said in str(refused.value)
+    model = copy.deepcopy(native)
+    model.reset_classifier(12)  # the way to change the head: recorded, so saved and rebuilt
+    odeify.save(model, tmp_path / "reset.safetensors")
+    x = image((2, 1, 32, 32))
+    torch.testing.assert_close(
+        odeify.load(tmp_path / "reset.safetensors")(x), model.eval()(x), rtol=0, atol=0
+    )
+    source = load_model(DEFAULT_MODEL_PATH)
+    source.fc = torch.nn.Linear(32, 10, bias=False)  # replaced before conversion: load takes the module
+    with pytest.warns(UserWarning, match="cannot rebuild this model's source by name"):
+        odeify.save(odeify.convert(source), tmp_path / "custom.safetensors")
+    odeify.load(tmp_path / "custom.safetensors", model=source)
 
 
 # -- case 7: which split of val/ and validation/ is read; a folder inside a class folder -----------

@@ -48,7 +48,7 @@ from odeify.ir.fold_records import FOLDS, drop_fold_records, fold_records
 from odeify.ir.settings import DepthMultiplier, StageRequest
 from odeify.ir.source_tensors import attach_sources, drop_sources
 from odeify.models.archs import build_arch
-from odeify.models.timm_interface import ConvertedModel
+from odeify.models.timm_interface import META_TIMM, ConvertedModel
 from odeify.serialization.file_recipe import DTYPES, FORMAT_VERSION, Recipe, integrator_of, recipe_of
 from odeify.serialization.file_schema import RecipeError, parse_recipe, validate_recipe
 from odeify.serialization.probe import PROBE_PREFIX, check_probe, record_probe
@@ -68,10 +68,13 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
     ``path`` ends in ``.safetensors``. A model converted from a custom ``nn.Module`` (not a timm or
     odeify architecture) cannot be rebuilt from the file alone: ``save`` warns, and ``load`` will
     need ``model=`` an instance of it. A model that ``load`` would refuse (a NaN weight, a head or
-    input larger than a file may ask for, a tableau name that is not a Python name) is refused.
+    input larger than a file may ask for, a tableau name that is not a Python name, a classifier
+    replaced after conversion) is refused.
     """
     target = output_file(path, "odeify.save", suffix=MODEL_SUFFIX)
-    _check_saved(recipe_of(model), target)  # before any work: what load's schema and budgets refuse
+    recipe = recipe_of(model)
+    _check_saved(recipe, target)  # before any work: what load's schema and budgets refuse
+    _refuse_other_classifier(model, recipe, target)
     check_materialized(model, "odeify.save")
     # own, contiguous CPU copies: safetensors refuses tensors that share storage
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
@@ -132,6 +135,39 @@ def _check_saved(recipe: Recipe, target: Path) -> None:
         raise _refused(target, exc.problem) from None
     except OdeifyError as exc:
         raise _refused(target, str(exc)) from None
+
+
+def _refuse_other_classifier(model: nn.Module, recipe: Recipe, target: Path) -> None:
+    """The model's classifier is the one its recipe rebuilds (built on the meta device to compare).
+
+    A classifier replaced after conversion (``model.fc = nn.Linear(..., bias=False)``, another class
+    count set by hand) is not in the recipe, so load would build another one and refuse the file;
+    ``reset_classifier`` records what it changes.
+    """
+    if recipe.arch is None or not isinstance(model, ConvertedModel):
+        return
+    try:
+        name, head = model.meta[META_TIMM]["classifier"], model.get_classifier()
+    except (KeyError, OdeifyError):  # no single named classifier: the rebuilt graph decides
+        return
+    rebuilt = build_arch(recipe.arch["name"], recipe.arch["kwargs"], device="meta").get_classifier()
+    if _tensor_shapes(head) != _tensor_shapes(rebuilt):
+        raise _refused(
+            target,
+            f"its classifier {name} ({_describe(head)}) is not the one its recipe rebuilds "
+            f"({recipe.arch['name']!r} with {recipe.arch['kwargs'].get('num_classes')} classes: "
+            f"{_describe(rebuilt)}), so it was replaced after conversion. Change the class count with "
+            "model.reset_classifier(n), or change the source model's head and convert it again",
+        )
+
+
+def _tensor_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in module.state_dict().items()}
+
+
+def _describe(module: nn.Module) -> str:
+    shapes = ", ".join(f"{key} {'x'.join(map(str, shape))}" for key, shape in _tensor_shapes(module).items())
+    return f"{type(module).__name__}: {shapes or 'no tensors'}"
 
 
 def _round_trip(recipe: Recipe) -> object:
