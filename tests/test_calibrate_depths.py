@@ -251,3 +251,49 @@ def test_case_13_command_line_calibrates_a_student_against_its_source(
     assert main(["calibrate", str(tmp_path / "student.safetensors"), "-o", str(tmp_path / "no.safetensors"),
                  *common]) == 2  # fmt: skip
     assert "--source FILE" in capsys.readouterr().err
+
+
+# --- issue 49 case 16: calibration's memory is bounded ---------------------------------------------
+
+
+def test_case_16_a_small_memory_budget_spills_and_fits_the_same(
+    native: nn.Module, images: torch.Tensor
+) -> None:
+    """memory=1 byte: every activation goes to the temporary file, passes and fit micro-batches take
+    one image; the knots are those of the calibration held in memory (float64: to round-off, the
+    micro-batches' gradients summed in another order), and the report says what was spilled and the
+    peak."""
+    coarse = odeify.retarget(native.double(), steps="x0.5")
+    x = images.double()
+    held, report = calibrate(coarse, x, iterations=5, progress=False)
+    spilled, small = calibrate(coarse, x, iterations=5, memory=1, progress=False)
+    assert report.memory[1] == 0 and small.memory[1] > 0
+    assert small.memory[2] is None or small.memory[2] > 0
+    assert "in a temporary file" in str(small) and "peak memory" in str(small)
+    mine, theirs = held.state_dict(), spilled.state_dict()
+    for key in mine:
+        scale = float(mine[key].double().norm()) or 1.0
+        assert float((mine[key].double() - theirs[key].double()).norm()) <= 1e-10 * scale, key
+    with pytest.raises(ConfigError, match="memory must be a positive integer"):
+        calibrate(coarse, x, memory=0, progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_case_16_spilled_rows_read_back_bit_for_bit(dtype: torch.dtype) -> None:
+    from odeify.train.calibration_store import Budget
+
+    x = torch.randn(10, 3, 5, 4).to(dtype)
+    budget = Budget(x.numel() * x.element_size() - 1)  # one byte short: to the file
+    rows = budget.rows(10, x)
+    for batch in x.split(3):
+        rows.append(batch)
+    assert budget.spilled > 0 and rows.data is None
+    pick = torch.tensor([7, 0, 9, 3])
+    assert torch.equal(rows.take(pick), x[pick])
+    assert torch.equal(torch.cat(list(rows.batches(4))), x)
+    rows.close()
+    kept = Budget(x.numel() * x.element_size()).rows(10, x)
+    kept.append(x)
+    assert kept.data is not None and torch.equal(kept.take(pick), x[pick])
+    kept.close()
+    assert kept.budget.left == kept.budget.nbytes

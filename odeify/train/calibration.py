@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,9 +53,11 @@ from odeify.ir.settings import StepsSpec
 from odeify.ir.source_tensors import SOURCE_PREFIX, record_stage_source
 from odeify.runtime.stage import ODEStage
 from odeify.train.calibration_data import CalibrationData, calibration_images
+from odeify.train.calibration_store import MIB, Budget, Rows
 from odeify.train.manifestations import runs_as_converted
 from odeify.train.network_tail import network_tail
 from odeify.train.parametrization import SourceCoordinates
+from odeify.train.peak_memory import EpochPeakMemory
 from odeify.train.progress import LOGGER
 from odeify.train.recipe import (
     CALIBRATION_IMAGES,
@@ -73,6 +75,18 @@ __all__ = [
 
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH = 64
+DEFAULT_MEMORY = 256 * MIB
+"""Activations held in memory at once by default, and the most one pass or fit micro-batch is sized
+to take: resnet50 at 224x224 (3.2 MB per image of layer1) then calibrates 256 images in passes of 20
+and fit micro-batches of about 8, with a peak under half of holding everything
+(benchmarks/results/calibration_memory.md)."""
+BACKWARD_FACTOR = 3
+"""A fit micro-batch's peak, in units of what autograd saves for it: the saved tensors, the
+gradients of the activations in backward and the forward's temporaries. Measured on resnet50's
+layer1 at 224x224, half its steps: 2.5-3x (benchmarks/results/calibration_memory.md)."""
+WORKING_SET = 4
+"""Activations of one image alive at once in a forward pass without gradients, in units of the
+largest one (an input, its output, a shortcut, the allocator's slack): sizes the passes' chunks."""
 HEAD_ROOM = 1e-12  # a target this small in energy has nothing to match: the residual is reported as 0
 
 
@@ -145,11 +159,27 @@ class CalibrationReport:
     seconds: float
     stages: list[StageFit] = field(default_factory=list)
     depths: list[str] = field(default_factory=list)
+    memory: tuple[float, float, float | None] | None = None
+    """The activations' memory budget and what was spilled to a temporary file (MiB), and the
+    process's peak memory during the calibration (MiB: resident on the CPU, allocated on a GPU; None
+    where unknown)."""
+
+    @property
+    def fit_seconds(self) -> float:
+        """The time in the stages' fits (their residuals before and after included)."""
+        return sum(fit.seconds for fit in self.stages)
 
     def __str__(self) -> str:
         at = f" at depths {', '.join(self.depths)}" if self.depths else ""
-        head = f"calibrated on {self.images} images{at} in {self.seconds:.1f} s:"
-        return "\n".join([head, *(f"  {fit}" for fit in self.stages)])
+        head = (
+            f"calibrated on {self.images} images{at} in {self.seconds:.1f} s (fits {self.fit_seconds:.1f} s)"
+        )
+        if self.memory is not None:
+            budget, spilled, peak = self.memory
+            on_disk = f", {spilled:.1f} MiB more in a temporary file" if spilled else ""
+            head += f", activations within {budget:g} MiB of memory{on_disk}"
+            head += f", peak memory {peak:.0f} MiB" if peak is not None else ""
+        return "\n".join([head + ":", *(f"  {fit}" for fit in self.stages)])
 
 
 def calibrate(
@@ -165,6 +195,7 @@ def calibrate(
     seed: int = 0,
     source: nn.Module | None = None,
     objective: str = CALIBRATION_OBJECTIVE,
+    memory: int = DEFAULT_MEMORY,
     progress: bool = True,
 ) -> tuple[fx.GraphModule, CalibrationReport]:
     """A new model of ``model``'s manifestation whose stages match the source network's on ``data``.
@@ -187,11 +218,13 @@ def calibrate(
     (each stage gets an equal share of what is left); ``iterations`` caps each stage. ``objective``:
     ``"output"`` (the default) fits each stage's output and, on the network's last stage, the
     network's output too (where nothing but the stage's output reaches the head; elsewhere the stage
-    loss); ``"stage"`` fits each stage's output only. ``progress`` logs a line per stage (logger
-    ``odeify``). Returns the calibrated model, in ``model``'s train/eval mode, and the
-    :class:`CalibrationReport`.
+    loss); ``"stage"`` fits each stage's output only. ``memory``: the bytes of activations held in
+    memory at once (the rest goes to a temporary file, read back bit for bit), and the most that one
+    forward pass or one fit micro-batch is sized to take; the report and the log say what was used.
+    ``progress`` logs a line per stage (logger ``odeify``). Returns the calibrated model, in
+    ``model``'s train/eval mode, and the :class:`CalibrationReport`.
     """
-    _check_arguments(model, images, seconds, iterations, lr, batch_size, seed)
+    _check_arguments(model, images, seconds, iterations, lr, batch_size, seed, memory)
     check_objective(objective, "calibrate's objective")
     depths = _depths(model, steps)
     own_source = source is None
@@ -201,11 +234,13 @@ def calibrate(
     elif not converted_stages(source):
         raise ConfigError("calibrate's source must be a converted model (odeify.convert) at native depth.")
     started = time.perf_counter()
-    calibrated = copy.deepcopy(model)
-    for stage in converted_stages(calibrated):
+    peak = EpochPeakMemory(next(model.parameters()).device)
+    peak.start()
+    work = _with_stage_calls(model)  # the copy that is fitted; the model's copy gets its tensors at the end
+    for stage in converted_stages(work):
         record_stage_source(stage)  # its knots are its source only while they are the blocks'
-    work = _with_stage_calls(calibrated)
     reference = _with_stage_calls(source).eval()
+    del source  # the reference is the one copy of it kept (resnet50: each copy 100 MB and more)
     paths, reference_paths = _stage_paths(work), _stage_paths(reference)
     missing = [name for name in paths if name not in reference_paths]
     if missing:
@@ -228,20 +263,44 @@ def calibrate(
     x = calibration_images(data, model, images, seed)
     report = CalibrationReport(images=x.shape[0], seconds=0.0, depths=[d.label for d in depths if d.label])
     generator = torch.Generator().manual_seed(seed)
+    budget = Budget(memory)
+    chunk = _chunk(reference, x, memory, batch_size)
+    tails = {
+        name: network_tail(work, paths[name]) for name in to_fit if objective == "output"
+    }  # fmt: skip
+    wanted = {name: reference_paths[name] for name in to_fit}
+    targets, outputs = _activations(reference, wanted, x, chunk, "output", budget, any(tails.values()))
+    if progress:
+        LOGGER.info(_memory_line(budget, chunk, x.shape[0]))
+    names = list(paths)
+    carried: list[Rows] | None = None  # the stage's inputs at each depth, from the fit of the stage before
     for index, (name, path) in enumerate(paths.items()):
         fit = StageFit(name, None, None, 0, 0.0)
         if name in to_fit:
             stage = work.get_submodule(path)
-            runs = [_run(work, paths, depth, name, x, batch_size) for depth in depths]
-            target = _activations(reference, {name: reference_paths[name]}, x, batch_size, "output")[name]
-            budget, stages_left = None, len(to_fit) - to_fit.index(name)
+            if carried is None:
+                runs = [_run(work, paths, depth, name, x, chunk, budget) for depth in depths]
+            else:
+                runs = [
+                    _carried(work, paths, depth, name, rows)
+                    for depth, rows in zip(depths, carried, strict=True)
+                ]
+            following = names[index + 1] if index + 1 < len(names) else None
+            onward = None if following not in to_fit else _segment_between(work, path, paths[following])
+            share, stages_left = None, len(to_fit) - to_fit.index(name)
             if seconds is not None:  # an equal share of what is left
-                budget = max(0.0, seconds - (time.perf_counter() - started)) / stages_left
+                share = max(0.0, seconds - (time.perf_counter() - started)) / stages_left
             coordinates = SourceCoordinates(work, within=path)
-            tail = _tail(work, path, reference, x, batch_size) if objective == "output" else None
-            fit = _fit_stage(
-                stage, coordinates, runs, target, iterations, budget, lr, batch_size, generator, tail
+            tail = None if tails.get(name) is None else (tails[name].requires_grad_(False), outputs)
+            setting = _Setting(iterations, share, lr, batch_size, chunk, memory, generator)
+            target = targets.pop(name)
+            fit, carried = _fit_stage(
+                stage, coordinates, runs, target, setting, tail, _Onward(onward, budget)
             )
+            for rows in (target, *(run.inputs for run in runs)):
+                rows.close()
+        else:
+            carried = None
         report.stages.append(fit)
         if progress:
             LOGGER.info(f"calibration of {name} ({index + 1}/{len(paths)}):{str(fit).partition(':')[2]}")
@@ -249,8 +308,13 @@ def calibrate(
         raise ConfigError(
             _nothing_to_fit(model, depths, "its residual against the source is 0 on the images")
         )
-    report.seconds = time.perf_counter() - started
+    del reference, targets, outputs
+    calibrated = copy.deepcopy(model)
+    for stage in converted_stages(calibrated):
+        record_stage_source(stage)
     calibrated.load_state_dict(work.state_dict())
+    report.memory = (budget.nbytes / MIB, budget.spilled / MIB, peak.mib())
+    report.seconds = time.perf_counter() - started
     fitted = {fit.stage for fit in report.stages if fit.fitted}
     for stage in converted_stages(calibrated):
         if stage.stage_name in fitted:
@@ -307,24 +371,67 @@ class _Run:
     depth: str | None
     steps: int
     graph: StepGraph
-    inputs: torch.Tensor
+    inputs: Rows
 
 
 def _run(
-    work: fx.GraphModule, paths: dict[str, str], depth: _Depth, name: str, x: torch.Tensor, batch_size: int
+    work: fx.GraphModule,
+    paths: dict[str, str],
+    depth: _Depth,
+    name: str,
+    x: torch.Tensor,
+    chunk: int,
+    budget: Budget,
 ) -> _Run:
     """Stage ``name`` of ``work`` switched to ``depth``, with its inputs there on ``x``."""
     stage = _at_depth(work, paths, depth).get_submodule(paths[name])
-    inputs = _activations(work, {name: paths[name]}, x, batch_size, "input")[name]
+    inputs = _activations(work, {name: paths[name]}, x, chunk, "input", budget)[0][name]
     return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs)
+
+
+def _carried(work: fx.GraphModule, paths: dict[str, str], depth: _Depth, name: str, inputs: Rows) -> _Run:
+    """Stage ``name`` of ``work`` switched to ``depth``, with the inputs there that the fit of the
+    stage before computed (the same values a pass of the model gives, without running its prefix)."""
+    stage = _at_depth(work, paths, depth).get_submodule(paths[name])
+    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs)
+
+
+@torch.no_grad()
+def _chunk(model: nn.Module, x: torch.Tensor, memory: int, batch_size: int) -> int:
+    """Images per pass without gradients: ``batch_size``, or fewer where :data:`WORKING_SET` times
+    the largest activation of one image (a module's output, measured on one image) exceeds
+    ``memory``."""
+    largest = 0
+
+    def hook(module: nn.Module, args: tuple, output: object) -> None:
+        nonlocal largest
+        if isinstance(output, torch.Tensor):
+            largest = max(largest, output.numel() * output.element_size())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if m is not model]
+    try:
+        model(x[:1])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return max(1, min(batch_size, memory // max(1, WORKING_SET * largest)))
+
+
+def _memory_line(budget: Budget, chunk: int, images: int) -> str:
+    spilled = f"; {budget.spilled / MIB:.1f} MiB of targets in a temporary file" if budget.spilled else ""
+    return (
+        f"calibration holds at most {budget.nbytes / MIB:g} MiB of activations in memory (memory=), the "
+        f"rest in a temporary file{spilled}; passes of {chunk} of the {images} images"
+    )
 
 
 def _check_arguments(
     model: object, images: object, seconds: object, iterations: object, lr: object, batch: object,
-    seed: object,
+    seed: object, memory: object,
 ) -> None:  # fmt: skip
     check_converted(model, "calibrate")
-    for name, value in (("images", images), ("iterations", iterations), ("batch_size", batch)):
+    named = (("images", images), ("iterations", iterations), ("batch_size", batch), ("memory", memory))
+    for name, value in named:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"calibrate's {name} must be a positive integer; got {value!r}.")
     if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
@@ -410,16 +517,29 @@ class _Stop(Exception):
 
 @torch.no_grad()
 def _activations(
-    model: nn.Module, paths: dict[str, str], x: torch.Tensor, batch_size: int, which: str
-) -> dict[str, torch.Tensor]:
-    """The ``input`` or ``output`` of each named stage of ``model`` on ``x``, batch by batch."""
-    taken: dict[str, list[torch.Tensor]] = {name: [] for name in paths}
+    model: nn.Module,
+    paths: dict[str, str],
+    x: torch.Tensor,
+    chunk: int,
+    which: str,
+    budget: Budget,
+    output: bool = False,
+) -> tuple[dict[str, Rows], torch.Tensor | None]:
+    """The ``input`` or ``output`` of each named stage of ``model`` on ``x``, ``chunk`` images at a
+    time, as :class:`Rows` within ``budget``; with ``output``, the model's outputs too (the pass then
+    runs to the end: one pass of the source gives every stage's target and the network's output)."""
+    taken: dict[str, Rows] = {}
+    if not paths:
+        return taken, None
     last = list(paths)[-1]
 
     def hook_for(name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor | None = None) -> None:
-            taken[name].append((args[0] if which == "input" else output).detach())
-            if name == last:
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor | None = None) -> None:
+            value = (args[0] if which == "input" else out).detach()
+            if name not in taken:
+                taken[name] = budget.rows(x.shape[0], value)
+            taken[name].append(value)
+            if name == last and not output:
                 raise _Stop
 
         return hook
@@ -429,79 +549,144 @@ def _activations(
         module = model.get_submodule(path)
         register = module.register_forward_pre_hook if which == "input" else module.register_forward_hook
         handles.append(register(hook_for(name)))
+    outputs = []
     try:
-        for batch in x.split(batch_size):
+        for batch in x.split(chunk):
             try:
-                model(batch)
+                outputs.append(model(batch))
             except _Stop:
                 pass
     finally:
         for handle in handles:
             handle.remove()
-    return {name: torch.cat(values) for name, values in taken.items()}
+    return taken, (torch.cat(outputs) if output else None)
 
 
 Tail = tuple[fx.GraphModule, torch.Tensor]
 """The network after the stage (``h -> output``) and the source's outputs on the calibration images."""
 
 
+@dataclass
+class _Setting:
+    """How a stage is fitted: Adam steps and their time share (None: no limit), learning rate,
+    images per step, per pass without gradients, the memory a micro-batch is sized to, the RNG."""
+
+    iterations: int
+    seconds: float | None
+    lr: float
+    batch_size: int
+    chunk: int
+    memory: int
+    generator: torch.Generator
+
+
 def _fit_stage(
     stage: ODEStage,
     coordinates: SourceCoordinates,
     runs: list[_Run],
-    target: torch.Tensor,
-    iterations: int,
-    budget: float | None,
-    lr: float,
-    batch_size: int,
-    generator: torch.Generator,
-    tail: Tail | None = None,
-) -> StageFit:
+    target: Rows,
+    setting: _Setting,
+    tail: Tail | None,
+    onward: _Onward,
+) -> tuple[StageFit, list[Rows] | None]:
     """Fit ``stage``'s knots (in source coordinates) so that the stage on each run's inputs, at the
     run's depth, matches ``target`` (and, with a ``tail``, the network's output matches the source's):
-    the sum of the runs' objectives, on the same images at every depth."""
+    the sum of the runs' objectives, on the same images at every depth. Each step's batch goes
+    through forward and backward in micro-batches sized to ``setting.memory`` (the gradient is the
+    batch's: each micro-batch's error is divided by the whole batch's target energy). Also returns
+    the next stage's inputs at each run's depth, where ``onward`` can take them from the last pass
+    of the fitted stage (else None)."""
     started = time.perf_counter()
     replaced = coordinates.replaced()
     own = [p for p in stage.knot_tensors() if p.requires_grad and id(p) not in replaced]
     trained = own + [p for _, p in coordinates.named_sources()]
-    before = [_residuals(stage, run, target, batch_size, tail) for run in runs]
+    before = [_residuals(stage, run, target, setting.chunk, tail) for run in runs]
     exact = torch.finfo(target.dtype).eps
     if all(_objective(residuals) <= exact * exact for residuals in before):
-        return StageFit(stage.stage_name, None, None, 0, time.perf_counter() - started, why=LEFT_AS_EXACT)
+        return StageFit(
+            stage.stage_name, None, None, 0, time.perf_counter() - started, why=LEFT_AS_EXACT
+        ), None
     if not trained:
-        return _stage_fit(stage, runs, before, before, 0, started)
+        return _stage_fit(stage, runs, before, before, 0, started), None
     kept = [p.detach().clone() for p in trained]
-    optimizer = torch.optim.Adam(trained, lr=lr)
-    n = target.shape[0]
+    optimizer = torch.optim.Adam(trained, lr=setting.lr)
+    n, lr, iterations = target.n, setting.lr, setting.iterations
+    micro = _micro_batch(stage, runs, setting)
     done = 0
     for step in range(iterations):
-        if budget is not None and time.perf_counter() - started > budget:
+        if setting.seconds is not None and time.perf_counter() - started > setting.seconds:
             break
         for group in optimizer.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / iterations))
-        pick = torch.randperm(n, generator=generator)[: min(batch_size, n)]
+        pick = torch.randperm(n, generator=setting.generator)[: min(setting.batch_size, n)]
         optimizer.zero_grad(set_to_none=True)
         stage.zero_grad(set_to_none=True)
-        loss = None
-        for run in runs:  # equal weights on the depths' relative errors (calibrate's docstring says why)
-            h = stage.run_graph(run.graph, (run.inputs[pick],))
-            term = _relative_error(h, target[pick])
-            if tail is not None:
-                term = term + _relative_error(tail[0](h), tail[1][pick])
-            loss = term if loss is None else loss + term
-        loss.backward()
+        parts = pick.split(micro)
+        wanted = [target.take(part) for part in parts] if len(parts) == 1 else None
+        energy = _energy(wanted or (target.take(part) for part in parts))
+        output_energy = _energy([tail[1][pick]]) if tail is not None else None
+        for i, part in enumerate(parts):
+            goal = wanted[i] if wanted is not None else target.take(part)
+            loss = None
+            for run in runs:  # equal weights on the depths' relative errors (calibrate's docstring says why)
+                h = stage.run_graph(run.graph, (run.inputs.take(part),))
+                term = (h - goal).pow(2).sum() / energy
+                if tail is not None:
+                    term = term + (tail[0](h) - tail[1][part]).pow(2).sum() / output_energy
+                loss = term if loss is None else loss + term
+            loss.backward()
         coordinates.pull()
         optimizer.step()
         coordinates.push()
         done += 1
-    after = [_residuals(stage, run, target, batch_size, tail) for run in runs]
+    nexts = [onward.rows(target.n) for _ in runs]
+    after = [
+        _residuals(stage, run, target, setting.chunk, tail, then)
+        for run, then in zip(runs, nexts, strict=True)
+    ]
     if not _total(after) < _total(before):  # never worse than where it started (diverged, too short)
         with torch.no_grad():
             for p, start in zip(trained, kept, strict=True):
                 p.copy_(start)
             coordinates.push()
-        after = [_residuals(stage, run, target, batch_size, tail) for run in runs]
-    return _stage_fit(stage, runs, before, after, done, started)
+        for rows in nexts:
+            rows.close()
+        nexts = [onward.rows(target.n) for _ in runs]
+        after = [
+            _residuals(stage, run, target, setting.chunk, tail, then)
+            for run, then in zip(runs, nexts, strict=True)
+        ]
+    carried = [rows.rows for rows in nexts] if onward.segment is not None else None
+    return _stage_fit(stage, runs, before, after, done, started), carried
+
+
+def _energy(targets: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``||target||^2`` over a batch given in parts, kept from 0 (:data:`HEAD_ROOM`)."""
+    return sum(t.pow(2).sum() for t in targets).clamp_min(HEAD_ROOM)
+
+
+def _micro_batch(stage: ODEStage, runs: list[_Run], setting: _Setting) -> int:
+    """Images per forward and backward in the fit: the batch, or fewer where what autograd saves for
+    the runs' forwards, measured per image (on two images less on one), exceeds ``setting.memory``."""
+    if runs[0].inputs.n < 2:
+        return setting.batch_size
+    per_image = sum(_saved_bytes(stage, run, 2) - _saved_bytes(stage, run, 1) for run in runs)
+    return max(1, min(setting.batch_size, setting.memory // max(1, BACKWARD_FACTOR * per_image)))
+
+
+def _saved_bytes(stage: ODEStage, run: _Run, images: int) -> int:
+    """The bytes autograd saves for the backward of the stage's forward at the run's depth on
+    ``images`` of its inputs."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        stage.run_graph(run.graph, (run.inputs.take(torch.arange(images)),))
+    return total
 
 
 Residuals = tuple[float, float | None]
@@ -538,23 +723,80 @@ def _total(per_depth: list[Residuals]) -> float:
     return sum(_objective(residuals) for residuals in per_depth)
 
 
-def _relative_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``||output - target||^2 / ||target||^2`` over the batch."""
-    return (output - target).pow(2).sum() / target.pow(2).sum().clamp_min(HEAD_ROOM)
+def _segment_between(model: fx.GraphModule, path: str, following: str) -> fx.GraphModule | None:
+    """A graph module ``h -> the input of the stage at module path following``, where ``h`` is the
+    output of the stage at ``path`` (a ResNet's downsampling block between them); None where that
+    input depends on more than ``h`` (a value from before the stage crosses it). ``model`` calls its
+    stages as modules, once each (calibration's copy)."""
+    nodes = list(model.graph.nodes)
+    calls = {
+        n.target: i for i, n in enumerate(nodes) if n.op == "call_module" and n.target in (path, following)
+    }
+    counts = [n.target for n in nodes if n.op == "call_module"]
+    if counts.count(path) != 1 or counts.count(following) != 1 or calls[following] < calls[path]:
+        return None
+    call = nodes[calls[following]]
+    if len(call.args) != 1 or call.kwargs or not isinstance(call.args[0], fx.Node):
+        return None
+    graph = fx.Graph()
+    copied: dict[fx.Node, fx.Node] = {nodes[calls[path]]: graph.placeholder("stage_output")}
+    for node in nodes[calls[path] + 1 : calls[following]]:
+        for used in node.all_input_nodes:
+            if used not in copied:
+                if used.op != "get_attr":
+                    return None  # a value from before the stage crosses it
+                copied[used] = graph.node_copy(used)
+        copied[node] = graph.node_copy(node, lambda used: copied[used])
+    if call.args[0] not in copied:
+        return None
+    graph.output(copied[call.args[0]])
+    return fx.GraphModule(model, graph)
+
+
+class _Onward:
+    """What the next stage's inputs are taken with: the graph from the stage's output to them
+    (:func:`segment_between`; None: not taken), and the budget they are held in."""
+
+    def __init__(self, segment: fx.GraphModule | None, budget: Budget) -> None:
+        self.segment, self.budget = segment, budget
+
+    def rows(self, n: int) -> _Next:
+        return _Next(self, n)
+
+
+class _Next:
+    """The next stage's inputs at one depth, taken batch by batch from the stage's outputs."""
+
+    def __init__(self, onward: _Onward, n: int) -> None:
+        self.onward, self.n, self.rows = onward, n, None
+
+    def add(self, h: torch.Tensor) -> None:
+        if self.onward.segment is None:
+            return
+        value = self.onward.segment(h)
+        if self.rows is None:
+            self.rows = self.onward.budget.rows(self.n, value)
+        self.rows.append(value)
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
 
 
 @torch.no_grad()
 def _residuals(
-    stage: ODEStage, run: _Run, target: torch.Tensor, batch_size: int, tail: Tail | None
+    stage: ODEStage, run: _Run, target: Rows, chunk: int, tail: Tail | None, then: _Next | None = None
 ) -> Residuals:
     """``||stage(inputs) - target|| / ||target||`` at the run's depth over all the calibration images,
-    and the same of the network's output against the source's where a ``tail`` is given."""
-    inputs = run.inputs
-    outputs = tail[1].split(batch_size) if tail is not None else [None] * len(inputs.split(batch_size))
+    and the same of the network's output against the source's where a ``tail`` is given; ``then``
+    takes the next stage's inputs from the stage's outputs on the way."""
+    outputs = tail[1].split(chunk) if tail is not None else [None] * math.ceil(target.n / chunk)
     stage_sums, output_sums = _Sums(), _Sums()
-    for x, y, wanted in zip(inputs.split(batch_size), target.split(batch_size), outputs, strict=True):
+    for x, y, wanted in zip(run.inputs.batches(chunk), target.batches(chunk), outputs, strict=True):
         h = stage.run_graph(run.graph, (x,))
         stage_sums.add(h, y)
+        if then is not None:
+            then.add(h)
         if tail is not None:
             output_sums.add(tail[0](h), wanted)
     return stage_sums.residual(), (output_sums.residual() if tail is not None else None)
@@ -572,16 +814,3 @@ class _Sums:
 
     def residual(self) -> float:
         return math.sqrt(self.error / self.energy) if self.energy > HEAD_ROOM else 0.0
-
-
-@torch.no_grad()
-def _tail(
-    work: fx.GraphModule, path: str, reference: nn.Module, x: torch.Tensor, batch_size: int
-) -> Tail | None:
-    """The network after the stage at ``path`` with its tensors held fixed (only the stage is fitted),
-    and the source's outputs on ``x``: what ``objective="output"`` fits. None where the output depends
-    on more than the stage's output (:func:`odeify.train.network_tail.network_tail`)."""
-    after = network_tail(work, path)
-    if after is None:
-        return None
-    return after.requires_grad_(False), torch.cat([reference(batch) for batch in x.split(batch_size)])
