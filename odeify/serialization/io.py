@@ -162,7 +162,8 @@ def _refuse_other_classifier(model: nn.Module, recipe: Recipe, target: Path) -> 
 
 
 def _tensor_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {key: tuple(value.shape) for key, value in module.state_dict().items()}
+    """A module's parameters' shapes (its buffers are the source tensors fine-tuning keeps, if any)."""
+    return {key: tuple(value.shape) for key, value in module.named_parameters()}
 
 
 def _describe(module: nn.Module) -> str:
