@@ -25,9 +25,12 @@ output on a few hundred unlabelled images matches the full-precision network's):
   depth; a model that computes its source exactly at every depth asked (native steps and knots, or
   knots that read as one-block stages) is refused, one rule whatever makes it exact;
 - bounded: ``images`` samples, ``iterations`` optimizer steps per stage, and a ``seconds`` budget
-  shared by the stages; deterministic for a seed (on one thread). Memory: the images and one stage's
-  input and target at a time (each stage's target is taken by its own partial forward of the source,
-  not all kept from one pass: resnet50's four at 224x224 would be 6 MB per image).
+  shared by the stages; deterministic for a seed (on one thread). Memory: the images, and
+  activations within a byte budget (``memory``; the rest in a temporary file:
+  :mod:`odeify.train.calibration_store`), passes and fit micro-batches sized to it. Time: one pass
+  of the source gives every stage's target and the network's output, and each stage's inputs come
+  from the last pass of the stage fitted before it (through the graph between them), so no prefix
+  of either network is run again per stage.
 
 The :class:`CalibrationReport` gives each stage's residual, ``||stage(x) - target|| / ||target||`` over
 the calibration images, before and after the fit.
@@ -75,10 +78,10 @@ __all__ = [
 
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH = 64
-DEFAULT_MEMORY = 256 * MIB
+DEFAULT_MEMORY = 192 * MIB
 """Activations held in memory at once by default, and the most one pass or fit micro-batch is sized
-to take: resnet50 at 224x224 (3.2 MB per image of layer1) then calibrates 256 images in passes of 20
-and fit micro-batches of about 8, with a peak under half of holding everything
+to take: resnet50 at 224x224 (3.2 MB per image of layer1) calibrates 256 images in passes of 15 and
+fit micro-batches of 7 and fewer, its peak under half of holding everything at once
 (benchmarks/results/calibration_memory.md)."""
 BACKWARD_FACTOR = 3
 """A fit micro-batch's peak, in units of what autograd saves for it: the saved tensors, the
@@ -803,14 +806,17 @@ def _residuals(
 
 
 class _Sums:
-    """A relative residual ``||got - wanted|| / ||wanted||`` summed batch by batch, in float64."""
+    """A relative residual ``||got - wanted|| / ||wanted||`` summed batch by batch, in float64, one
+    image at a time (a float64 copy of a whole batch of resnet50's layer1 at 224x224 would take twice
+    the batch's memory again)."""
 
     def __init__(self) -> None:
         self.error = self.energy = 0.0
 
     def add(self, got: torch.Tensor, wanted: torch.Tensor) -> None:
-        self.error += float((got - wanted).double().pow(2).sum())
-        self.energy += float(wanted.double().pow(2).sum())
+        for mine, theirs in zip(got, wanted, strict=True):
+            self.error += float((mine - theirs).double().pow(2).sum())
+            self.energy += float(theirs.double().pow(2).sum())
 
     def residual(self) -> float:
         return math.sqrt(self.error / self.energy) if self.energy > HEAD_ROOM else 0.0
