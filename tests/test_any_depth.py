@@ -240,3 +240,18 @@ def test_an_integrator_that_cannot_run_at_a_listed_depth_is_refused_naming_it(na
     alf = odeify.retarget(native, integrator="alf", backward="reversible")  # needs a multiple of its knots
     with pytest.raises(odeify.ConfigError, match=r"cannot run at depth x0\.5.*--integrator"):
         finetune(alf, digits, QUICK, **COMMON)
+
+
+def test_a_file_fitted_for_several_depths_saves_loads_and_probes_at_each(
+    native, digits, image, tmp_path
+) -> None:
+    model = odeify.calibrate(euler(native), digits, steps=["native", "x0.5", "x0.25"], images=32,
+                             iterations=3, progress=False)[0]  # fmt: skip
+    x = image((2, 1, 32, 32))
+    for depth in ("native", "x0.5", "x0.25"):
+        odeify.set_steps(model, depth)
+        odeify.save(model, tmp_path / f"{depth}.safetensors")
+        loaded = odeify.load(tmp_path / f"{depth}.safetensors")  # its probe runs at that depth
+        assert steps_of(loaded) == steps_of(model)
+        assert [s.fitted_steps for s in odeify.converted_stages(loaded)] == [(1, 2, 4), (1, 2, 3)]
+        torch.testing.assert_close(loaded.eval()(x), model.eval()(x), rtol=0, atol=0)
