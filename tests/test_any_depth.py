@@ -255,3 +255,12 @@ def test_a_file_fitted_for_several_depths_saves_loads_and_probes_at_each(
         assert steps_of(loaded) == steps_of(model)
         assert [s.fitted_steps for s in odeify.converted_stages(loaded)] == [(1, 2, 4), (1, 2, 3)]
         torch.testing.assert_close(loaded.eval()(x), model.eval()(x), rtol=0, atol=0)
+
+
+def test_calibrating_a_fitted_file_for_other_depths_says_nothing_of_fitted_depths(native, digits) -> None:
+    half = _fitted_at_half(native, digits)  # fitted for 2 steps per stage
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", odeify.UnfittedDepthWarning)
+        calibrated = odeify.calibrate(half, digits, steps=["native", "x0.5"], images=32, iterations=2,
+                                      progress=False)[0]  # fmt: skip
+    assert [s.fitted_steps for s in odeify.converted_stages(calibrated)] == [(2, 4), (2, 3)]

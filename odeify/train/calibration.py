@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ from torch import nn
 
 from odeify.codegen.emit import StepGraph
 from odeify.compiler.conversion import check_converted, converted_stages, retarget
+from odeify.compiler.fitted_depths import UnfittedDepthWarning
 from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.errors import ConfigError
 from odeify.ir.settings import StepsSpec
@@ -348,7 +350,9 @@ def _depths(model: fx.GraphModule, steps: object) -> list[_Depth]:
     depths: list[_Depth] = []
     for spec in specs:
         label = ", ".join(f"{k}={v}" for k, v in spec.items()) if isinstance(spec, Mapping) else str(spec)
-        counts = {s.stage_name: s.steps for s in converted_stages(retarget(model, steps=spec))}
+        with warnings.catch_warnings():  # fitting this depth is the point: no "not fitted for it" here
+            warnings.simplefilter("ignore", UnfittedDepthWarning)
+            counts = {s.stage_name: s.steps for s in converted_stages(retarget(model, steps=spec))}
         same = [d.label for d in depths if d.steps == counts]
         if same:
             raise ConfigError(
