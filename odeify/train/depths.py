@@ -14,7 +14,7 @@ stage's fitted step counts recorded (``stage.fitted_steps``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from odeify.compiler.conversion import converted_stages, set_steps
 from odeify.compiler.fitted_depths import UnfittedDepthWarning
 from odeify.core.errors import ConfigError
-from odeify.ir.settings import StepsSpec, parse_steps
+from odeify.train.depth_list import depth_specs
 from odeify.train.distributed import Processes
 from odeify.train.state import EpochRecord
 from odeify.train.trainer import Trainer, validation
@@ -31,40 +31,10 @@ from odeify.train.trainer import Trainer, validation
 __all__ = [
     "DepthPlan",
     "batch_depths",
-    "depth_specs",
     "depths_line",
-    "depths_text",
     "mark_trained_depths",
     "validation_at_depths",
 ]
-
-MAX_DEPTHS = 8
-"""Depths one run trains for: a few latency budgets, not a sweep (each is validated every epoch)."""
-
-
-def depth_specs(depths: str | Sequence[int | str]) -> tuple[StepsSpec, ...]:
-    """The depths of ``Recipe.depths`` ('native,x0.5,x0.25', or a sequence), checked: at least two,
-    distinct, each a step count, 'native' or a multiplier."""
-    items = depths.split(",") if isinstance(depths, str) else list(depths)
-    specs = tuple(_spec(item) for item in items)
-    if not 2 <= len(specs) <= MAX_DEPTHS or len(set(specs)) < len(specs):
-        raise ConfigError(
-            f"depths lists 2 to {MAX_DEPTHS} distinct depths to train one set of knots for, e.g. "
-            f"'native,x0.5,x0.25'; got {depths!r:.80}. For one depth, give it as steps (--steps)."
-        )
-    return specs
-
-
-def depths_text(depths: str | Sequence[int | str]) -> str:
-    """The canonical text of a depth list: 'native,x0.5,2'."""
-    return ",".join(str(spec) for spec in depth_specs(depths))
-
-
-def _spec(item: int | str) -> StepsSpec:
-    text = item.strip() if isinstance(item, str) else item
-    if isinstance(text, str) and text.isdigit():
-        text = int(text)
-    return parse_steps(text)
 
 
 @dataclass(frozen=True)

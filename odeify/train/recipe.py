@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from odeify.core.errors import ConfigError
 from odeify.numerics.schemes import AsyncLeapfrog
 from odeify.numerics.tableaus import Integrator
+from odeify.train.depth_list import depths_text
 
 __all__ = [
     "ALF_LR",
@@ -91,8 +92,6 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.depths is not None:  # canonical text, so a resumed run's record compares equal
-            from odeify.train.depths import depths_text
-
             object.__setattr__(self, "depths", depths_text(self.depths))
         checks = {
             "epochs": self.epochs >= 1,
