@@ -80,11 +80,11 @@ __all__ = [
 
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH = 64
-DEFAULT_MEMORY = 192 * MIB
+DEFAULT_MEMORY = 128 * MIB
 """Activations held in memory at once by default, and the most one pass or fit micro-batch is sized
-to take: resnet50 at 224x224 (3.2 MB per image of layer1) calibrates 256 images in passes of 15 and
-fit micro-batches of 7 and fewer, its peak under half of holding everything at once
-(benchmarks/results/calibration_memory.md)."""
+to take: resnet50 at 224x224 (3.2 MB per image of layer1) calibrates 256 images in small passes and
+fit micro-batches, its peak under half of holding everything at once
+(benchmarks/results/calibration_memory.md; at 192 MiB it was 0.506x of holding everything)."""
 BACKWARD_FACTOR = 3
 """A fit micro-batch's peak, in units of what autograd saves for it: the saved tensors, the
 gradients of the activations in backward and the forward's temporaries. Measured on resnet50's
