@@ -60,7 +60,7 @@ from odeify.runtime.stage import ODEStage
 from odeify.train.calibration_data import CalibrationData, calibration_images
 from odeify.train.calibration_store import MIB, Budget, Rows
 from odeify.train.manifestations import runs_as_converted
-from odeify.train.network_tail import network_tail
+from odeify.train.network_tail import graph_from, network_tail
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.peak_memory import EpochPeakMemory
 from odeify.train.progress import LOGGER
@@ -745,17 +745,10 @@ def _segment_between(model: fx.GraphModule, path: str, following: str) -> fx.Gra
     call = nodes[calls[following]]
     if len(call.args) != 1 or call.kwargs or not isinstance(call.args[0], fx.Node):
         return None
-    graph = fx.Graph()
-    copied: dict[fx.Node, fx.Node] = {nodes[calls[path]]: graph.placeholder("stage_output")}
-    for node in nodes[calls[path] + 1 : calls[following]]:
-        for used in node.all_input_nodes:
-            if used not in copied:
-                if used.op != "get_attr":
-                    return None  # a value from before the stage crosses it
-                copied[used] = graph.node_copy(used)
-        copied[node] = graph.node_copy(node, lambda used: copied[used])
-    if call.args[0] not in copied:
+    copy = graph_from(nodes[calls[path]], nodes[calls[path] + 1 : calls[following]])
+    if copy is None or call.args[0] not in copy[1]:
         return None
+    graph, copied = copy
     graph.output(copied[call.args[0]])
     return fx.GraphModule(model, graph)
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from odeify.runtime.stage import ODEStage
 
-__all__ = ["network_tail"]
+__all__ = ["graph_from", "network_tail"]
 
 
 def network_tail(model: fx.GraphModule, path: str) -> fx.GraphModule | None:
@@ -27,15 +27,23 @@ def network_tail(model: fx.GraphModule, path: str) -> fx.GraphModule | None:
     if len(calls) != 1:
         return None
     stage_node, after = nodes[calls[0]], nodes[calls[0] + 1 :]
-    tail = fx.Graph()
-    copied: dict[fx.Node, fx.Node] = {stage_node: tail.placeholder("stage_output")}
-    for node in after:
-        if node.op == "call_module" and isinstance(model.get_submodule(node.target), ODEStage):
-            return None
+    if any(n.op == "call_module" and isinstance(model.get_submodule(n.target), ODEStage) for n in after):
+        return None
+    copy = graph_from(stage_node, after)  # the output node included
+    return None if copy is None else fx.GraphModule(model, copy[0])
+
+
+def graph_from(start: fx.Node, nodes: list[fx.Node]) -> tuple[fx.Graph, dict[fx.Node, fx.Node]] | None:
+    """A new graph that takes ``start``'s value as its input (``stage_output``) and computes ``nodes``,
+    with the copy of each node; None where a value from before ``start`` other than a parameter or
+    buffer crosses into them."""
+    graph = fx.Graph()
+    copied: dict[fx.Node, fx.Node] = {start: graph.placeholder("stage_output")}
+    for node in nodes:
         for used in node.all_input_nodes:
             if used not in copied:
                 if used.op != "get_attr":
                     return None  # a value from before the stage crosses it
-                copied[used] = tail.node_copy(used)
-        copied[node] = tail.node_copy(node, lambda used: copied[used])
-    return fx.GraphModule(model, tail)
+                copied[used] = graph.node_copy(used)
+        copied[node] = graph.node_copy(node, lambda used: copied[used])
+    return graph, copied
