@@ -84,7 +84,7 @@ DEFAULT_MEMORY = 128 * MIB
 """Activations held in memory at once by default, and the most one pass or fit micro-batch is sized
 to take: resnet50 at 224x224 (3.2 MB per image of layer1) calibrates 256 images in small passes and
 fit micro-batches, its peak under half of holding everything at once
-(benchmarks/results/calibration_memory.md; at 192 MiB it was 0.506x of holding everything)."""
+(benchmarks/results/calibration_memory.md: 0.47x of before at 128 MiB, 0.506x at 192)."""
 BACKWARD_FACTOR = 3
 """A fit micro-batch's peak, in units of what autograd saves for it: the saved tensors, the
 gradients of the activations in backward and the forward's temporaries. Measured on resnet50's
