@@ -264,3 +264,16 @@ def test_calibrating_a_fitted_file_for_other_depths_says_nothing_of_fitted_depth
         calibrated = odeify.calibrate(half, digits, steps=["native", "x0.5"], images=32, iterations=2,
                                       progress=False)[0]  # fmt: skip
     assert [s.fitted_steps for s in odeify.converted_stages(calibrated)] == [(2, 4), (2, 3)]
+
+
+def test_a_run_for_several_depths_keeps_an_integrator_that_runs_at_each(native) -> None:
+    """Given nothing else, a model as converted trains as ALF, which runs only at multiples of its knots;
+    with depths listed it keeps Euler (with the memory-saving backward of its integrator)."""
+    from odeify.train.manifestations import for_training
+
+    assert {s.integrator.name for s in odeify.converted_stages(for_training(native))} == {"alf"}
+    both = for_training(native, depths="native,x0.5")
+    assert {(s.integrator.name, s.backward) for s in odeify.converted_stages(both)} == {
+        ("euler", "checkpoint")
+    }
+    odeify.set_steps(both, "x0.5")  # runs there

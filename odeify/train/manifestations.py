@@ -57,6 +57,7 @@ def for_training(
     backward: str | Mapping[str, str] | None = None,
     *,
     rebuilds_exactly: bool = True,
+    depths: str | None = None,
     **settings: Any,
 ):
     """``model`` retargeted by ``settings`` (integrator, steps, knots, basis) to train with ``backward``.
@@ -67,10 +68,12 @@ def for_training(
     ``rebuilds_exactly``: False under autocast, which the lattice does not run, and on a GPU without
     deterministic kernels, whose re-runs may return other bits; and where it keeps less memory than
     checkpointing (not on a transformer with one-block stages, such as Swin's first stages). Otherwise,
-    without ``backward``, every stage gets the mode of :func:`memory_free_backward`.
+    without ``backward``, every stage gets the mode of :func:`memory_free_backward`. A run for several
+    ``depths`` (``Recipe.depths``) keeps the model's integrator: ALF runs only at multiples of its knots.
     """
     if (
         backward is None
+        and depths is None
         and rebuilds_exactly
         and not any(v is not None for v in settings.values())
         and at_source_manifestation(model)

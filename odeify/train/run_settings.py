@@ -90,7 +90,9 @@ def finetune_with(
         k: getattr(settings, k) for k in _TRAINED_MANIFESTATION if getattr(settings, k) is not None
     }
     exact = recipe.amp is None and (processes.device.type == "cpu" or bool(settings.deterministic))
-    model = for_training(loaded, settings.backward, rebuilds_exactly=exact, **manifestation)
+    model = for_training(
+        loaded, settings.backward, rebuilds_exactly=exact, depths=recipe.depths, **manifestation
+    )
     return finetune(
         model,
         open_data(settings.data, model, augmentation(settings, model)),
