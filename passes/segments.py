@@ -269,7 +269,7 @@ def _emit_segment(
         if isinstance(_attribute(gm, path), nn.Module)
     }
     name = f"{SEGMENT_PREFIX}{index}"
-    gm.add_submodule(name, Segment(body, attributes, module_args))
+    gm.add_submodule(name, Segment(body, attributes, module_args).train(gm.training))  # the model's mode
     fetched = []
     for path in attributes:
         node = graph.get_attr(path)

@@ -31,6 +31,7 @@ from odeify.ir.settings import (
     DepthMultiplier,
     StageRequest,
     parse_steps,
+    resolve_steps,
     validate_backward,
 )
 from odeify.numerics.bases import get_basis
@@ -202,7 +203,7 @@ def retarget(
     settings = _settings({k: v for k, v in requested.items() if v is not None}, fill=False)
     job = Job(gm=copy.deepcopy(converted), settings_for=settings)
     job.whole_model = _whole_model(backward, has_segments(converted))
-    gm = guard_input_dtype(REMANIFEST.run(job).gm).train(converted.training)  # new segments start in train
+    gm = guard_input_dtype(REMANIFEST.run(job).gm)
     _record_steps(gm, steps)
     warn_refined_knots({s.stage_name: s.num_knots for s in converted_stages(converted)}, gm)
     if steps is not None:
@@ -220,14 +221,34 @@ def set_steps(converted: fx.GraphModule, steps: StepsSpec) -> fx.GraphModule:
     runs at a depth its knots were not calibrated or fine-tuned for.
     """
     check_converted(converted, "set_steps")
-    _check_values(steps, parse_steps)
-    settings = _settings({"steps": steps}, fill=False)
-    check_manifestation(converted, settings([s.stage_name for s in converted_stages(converted)]))
+    settings = _checked_steps(converted, steps)
     job = Job(gm=converted, settings_for=settings, whole_model=has_segments(converted))
-    gm = REMANIFEST.run(job).gm.train(converted.training)  # re-emitted segments start in train mode
+    gm = REMANIFEST.run(job).gm
     _record_steps(gm, steps)
     warn_unfitted_depth(gm)
     return gm
+
+
+def steps_at(converted: fx.GraphModule, steps: StepsSpec) -> dict[str, int]:
+    """Each stage's step count at the depth ``steps`` (as :func:`retarget` and :func:`set_steps` take it,
+    refused as they refuse it), without changing or copying the model."""
+    check_converted(converted, "steps_at")
+    stages = converted_stages(converted)
+    requests = _checked_steps(converted, steps)([s.stage_name for s in stages])
+    return {
+        stage.stage_name: stage.steps
+        if (request := requests[stage.stage_name]).steps is None
+        else resolve_steps(request.steps, stage.depth, stage.stage_name, request.steps_for_all)
+        for stage in stages
+    }
+
+
+def _checked_steps(converted: fx.GraphModule, steps: object) -> Settings:
+    """The per-stage settings of a depth request, checked against ``converted``'s stages."""
+    _check_values(steps, parse_steps)
+    settings = _settings({"steps": steps}, fill=False)
+    check_manifestation(converted, settings([s.stage_name for s in converted_stages(converted)]))
+    return settings
 
 
 def set_backward(converted: fx.GraphModule, backward: str | Mapping[str, str]) -> fx.GraphModule:
@@ -247,7 +268,7 @@ def set_backward(converted: fx.GraphModule, backward: str | Mapping[str, str]) -
     job = Job(
         gm=converted, settings_for=settings, whole_model=_whole_model(backward, has_segments(converted))
     )
-    return REMANIFEST.run(job).gm.train(converted.training)  # re-emitted segments start in train mode
+    return REMANIFEST.run(job).gm
 
 
 def check_materialized(model: nn.Module, what: str) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -50,8 +49,7 @@ import torch.fx as fx
 from torch import nn
 
 from odeify.codegen.emit import StepGraph
-from odeify.compiler.conversion import check_converted, converted_stages, retarget
-from odeify.compiler.fitted_depths import UnfittedDepthWarning
+from odeify.compiler.conversion import check_converted, converted_stages, retarget, steps_at
 from odeify.compiler.source_network import source_network, unknown_source
 from odeify.core.errors import ConfigError
 from odeify.ir.settings import StepsSpec
@@ -337,8 +335,9 @@ class _Depth:
 
 
 def _depths(model: fx.GraphModule, steps: object) -> list[_Depth]:
-    """The depths ``steps`` lists, each resolved to per-stage step counts by ``odeify.retarget`` itself
-    (so a depth means here what it means there); the model's own depth where ``steps`` is None."""
+    """The depths ``steps`` lists, each resolved to per-stage step counts as ``odeify.retarget`` resolves
+    it (:func:`~odeify.compiler.conversion.steps_at`, no copy of the model); the model's own depth where
+    ``steps`` is None."""
     if steps is None:
         return [_Depth(None, {s.stage_name: s.steps for s in converted_stages(model)})]
     specs = [steps] if isinstance(steps, (str, int, Mapping)) else steps
@@ -350,9 +349,7 @@ def _depths(model: fx.GraphModule, steps: object) -> list[_Depth]:
     depths: list[_Depth] = []
     for spec in specs:
         label = ", ".join(f"{k}={v}" for k, v in spec.items()) if isinstance(spec, Mapping) else str(spec)
-        with warnings.catch_warnings():  # fitting this depth is the point: no "not fitted for it" here
-            warnings.simplefilter("ignore", UnfittedDepthWarning)
-            counts = {s.stage_name: s.steps for s in converted_stages(retarget(model, steps=spec))}
+        counts = steps_at(model, spec)
         same = [d.label for d in depths if d.steps == counts]
         if same:
             raise ConfigError(

@@ -53,26 +53,34 @@ def sweep(
     measured (``logging.getLogger("odeify")``).
     """
     points = []
-    weights: dict[object, fx.GraphModule] = {}  # one copy per (integrator, knots); depths switch in place
-    for integrator, step, knot in product(integrators, steps, knots):
-        if (integrator, knot) not in weights:
-            if len(weights) == len(knots):  # the next integrator: drop the last one's copies
-                weights.clear()
-            weights[integrator, knot] = retarget(
-                model, integrator=integrator, steps=step, knots=knot, basis=basis, backward="backprop"
-            )
-        manifestation = set_steps(weights[integrator, knot], step)
-        result = evaluate(manifestation, batches(), max_batches=max_batches)
-        used = ",".join(sorted({stage.basis for stage in converted_stages(manifestation)}))
-        point = SweepPoint(
-            integrator, str(step), str(knot), used, result.nfe, result.accuracy, result.seconds_per_batch
-        )
-        points.append(point)
-        LOGGER.info(
-            f"{point.integrator:>16} steps {point.steps:>6} knots {point.knots:>6} {point.basis}: NFE "
-            f"{point.nfe:>4}, accuracy {point.accuracy:.2%}"
-        )
+    for integrator in integrators:
+        copies: dict[int | str, fx.GraphModule] = {}  # one per knot count: the depths switch in place
+        for step, knot in product(steps, knots):
+            if knot in copies:
+                manifestation = set_steps(copies[knot], step)
+            else:
+                manifestation = copies[knot] = retarget(
+                    model, integrator=integrator, steps=step, knots=knot, basis=basis, backward="backprop"
+                )
+            points.append(_measured(manifestation, batches, max_batches, integrator, step, knot))
     return points
+
+
+def _measured(
+    manifestation: fx.GraphModule, batches: Callable[[], Iterable], max_batches: int | None,
+    integrator: str, step: int | str, knot: int | str,
+) -> SweepPoint:  # fmt: skip
+    """One point: ``manifestation`` evaluated, and logged."""
+    result = evaluate(manifestation, batches(), max_batches=max_batches)
+    used = ",".join(sorted({stage.basis for stage in converted_stages(manifestation)}))
+    point = SweepPoint(
+        integrator, str(step), str(knot), used, result.nfe, result.accuracy, result.seconds_per_batch
+    )
+    LOGGER.info(
+        f"{point.integrator:>16} steps {point.steps:>6} knots {point.knots:>6} {point.basis}: NFE "
+        f"{point.nfe:>4}, accuracy {point.accuracy:.2%}"
+    )
+    return point
 
 
 def sweep_markdown(points: Sequence[SweepPoint]) -> list[str]:
