@@ -44,10 +44,11 @@ from child import SteppedChild, report_to_parent, requests
 from machine import command_line, describe_machine, save_figure
 from memory import reset_peak_rss, rss
 from tables import markdown_table
-from train_step import ROWS, Row, build
+from train_step import ROWS, Row, as_row, build
 
 from odeify.core.fileio import atomic_write_bytes
 from odeify.inspection.tensor_peak import TensorPeak
+from odeify.models.loading import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB = 2**20
@@ -75,13 +76,17 @@ def child(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     device = torch.device(args.device)
     row: Row = ROWS[MODES[args.mode]]
-    model = build(args.model, row, args.steps, "trained-like").to(device)
+    if args.checkpoint:
+        model = as_row(load_model(args.checkpoint), row, args.steps, args.img_size).to(device)
+    else:
+        model = build(args.model, row, args.steps, "trained-like").to(device)
+    classes = getattr(model, "num_classes", None) or CLASSES
     if args.mode == "timm compiled, memory budget":
         torch._functorch.config.activation_memory_budget = args.compile_budget
         model = torch.compile(model)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch, 3, SIZE, SIZE, generator=g).to(device)
-    labels = torch.randint(0, CLASSES, (args.batch,), generator=g).to(device)
+    x = torch.randn(args.batch, 3, args.img_size, args.img_size, generator=g).to(device)
+    labels = torch.randint(0, classes, (args.batch,), generator=g).to(device)
 
     def step() -> float:
         model.zero_grad(set_to_none=False)
@@ -123,9 +128,11 @@ def child(args: argparse.Namespace) -> None:
 
 def child_arguments(model: str, mode: str, steps: str, args: argparse.Namespace) -> list[str]:
     batch = BATCHES[model] if args.batch is None else args.batch
+    user = ["--checkpoint", args.checkpoint] if args.checkpoint else []
     return [
         "--model", model, "--mode", mode, "--steps", steps, "--batch", str(batch),
         "--device", args.device, "--compile-budget", str(args.compile_budget),
+        "--img-size", str(args.img_size), *user,
     ]  # fmt: skip
 
 
@@ -230,16 +237,23 @@ HEADER = [
 ]
 
 
-def markdown(results: list[dict], argv: list[str], device: str, batch: int | None) -> str:
+def markdown(results: list[dict], argv: list[str], args: argparse.Namespace) -> str:
     models = dict.fromkeys(r["model"] for r in results)
+    batch, size = args.batch, args.img_size
+    weights = (
+        f"the user's trained weights in {args.checkpoint}"
+        if args.checkpoint
+        else "random weights, every residual branch's last-norm gain scaled as a trained network's"
+    )
     lines = [
         "# Peak memory of one training step",
         "",
         f"`{command_line(__file__, argv)}`",
         "",
-        f"Machine: {describe_machine(device)}. Batch per model: "
+        f"Machine: {describe_machine(args.device)}. Batch per model: "
         + ", ".join(f"{m} {BATCHES[m] if batch is None else batch}" for m in models)
-        + f", {SIZE}x{SIZE}, fp32; {results and len(results[0].get('times', [])) or 0} timed steps per row.",
+        + f", {size}x{size}, fp32, {weights}; "
+        + f"{results and len(results[0].get('times', [])) or 0} timed steps per row.",
         "",
         "Tensor peak: the most bytes of tensors alive at once during the step over those alive before "
         "(odeify.inspection.TensorPeak, deterministic); RSS peak: peak resident memory during the step "
@@ -283,7 +297,15 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(BATCHES), choices=list(BATCHES))
+    parser.add_argument(
+        "--models", nargs="+", default=list(BATCHES), help=f"timm names (default: {' '.join(BATCHES)})"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        help="a user's trained model (timm train.py checkpoint, HF-style folder) instead of random "
+        "trained-like weights; --models then names it (its architecture) and --batch is needed",
+    )
+    parser.add_argument("--img-size", type=int, default=SIZE, help="image side in pixels (default 224)")
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     parser.add_argument("--steps", nargs="+", default=["native"], help="native and/or x4 (odeify rows)")
     parser.add_argument("--batch", type=int, default=None, help="one batch for every model")
@@ -297,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--part", choices=["time", "memory"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.child:
+        unknown = [m for m in args.models if m not in BATCHES]
+        if args.checkpoint and (len(args.models) != 1 or args.batch is None):
+            parser.error("--checkpoint measures one model: give its architecture in --models and a --batch")
+        if unknown and not args.checkpoint and args.batch is None:
+            known = ", ".join(BATCHES)
+            parser.error(f"no batch known for {', '.join(unknown)}: pass --batch, or one of {known}")
     if args.child:
         args.steps = args.steps[0]
         child(args)
@@ -309,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: v for k, v in result.items() if k != "breakdown"}), flush=True)
     out = Path(args.out)
     raw_argv = sys.argv[1:] if argv is None else argv
-    atomic_write_bytes(out.with_suffix(".md"), markdown(results, raw_argv, args.device, args.batch).encode())
+    atomic_write_bytes(out.with_suffix(".md"), markdown(results, raw_argv, args).encode())
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(HEADER)

@@ -194,11 +194,16 @@ def build(model_name: str, row: Row, steps: str, weights: str = "random") -> nn.
     model = make_test_model(model_name)
     if weights == "trained-like":
         _weaken_branches(model, TRAINED_LIKE_BRANCH_SCALE)
+    return as_row(model, row, steps)
+
+
+def as_row(model: nn.Module, row: Row, steps: str, size: int = SIZE) -> nn.Module:
+    """``model`` (timm, eval or train) as ``row`` trains it, at ``size`` x ``size`` images, in train mode."""
     if row.integrator is None:
         model.set_grad_checkpointing(row.grad_checkpointing)
         return model.train()
     gm = odeify.convert(
-        model, integrator=row.integrator, basis=row.basis, steps=steps, input_size=(1, 3, SIZE, SIZE)
+        model, integrator=row.integrator, basis=row.basis, steps=steps, input_size=(1, 3, size, size)
     )
     if row.backward != "backprop":
         odeify.set_backward(gm, row.backward)  # one mode for the whole model: segments checkpointed too
