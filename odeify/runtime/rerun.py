@@ -21,6 +21,7 @@ line.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -89,23 +90,28 @@ class ParamGrads:
         return grad
 
     def rerun(self, graph: StepGraph, differentiate: bool = True) -> Rerun:
-        """Knot inputs for one run of ``graph`` (fresh leaves when ``differentiate``)."""
-        # a fresh view per run: two runs at one point must not share a leaf (their grads would merge)
-        knots = [
-            k[graph.knot_window].requires_grad_(need and differentiate)
-            for k, need in zip(self.knots, self.knot_needs, strict=True)
-        ]
+        """Knot inputs for one run of ``graph`` (fresh leaves when ``differentiate``).
+
+        A differentiated knot leaf adds its gradient into its accumulator as soon as autograd has
+        it (a hook), and hands autograd a zero that takes no memory: a field's knot gradients are
+        then not all alive at once until ``torch.autograd.grad`` returns (resnet18 at 32x32, where
+        weights outweigh activations: two 9 MiB conv gradients and their stacked copy at the peak).
+        """
+        window = graph.knot_window
+        knots = []
+        for k, need, acc in zip(self.knots, self.knot_needs, self.knot_grads, strict=True):
+            # a fresh view per run: two runs at one point must not share a leaf (their grads would merge)
+            leaf = k[window].requires_grad_(need and differentiate)
+            if leaf.requires_grad:
+                leaf.register_hook(functools.partial(_add_into, acc[window]))
+            knots.append(leaf)
         wrt = [k for k in knots if k.requires_grad] + (self.extras if differentiate else [])
-        return Rerun(graph.knot_window, knots, wrt)
+        return Rerun(window, knots, wrt)
 
     def add(self, rerun: Rerun, grads: Sequence[Tensor | None]) -> None:
-        """Add the gradients w.r.t. ``rerun.wrt`` (as returned by ``torch.autograd.grad``)."""
-        found = iter(grads)
-        for acc in self.knot_grads:
-            if acc is not None:
-                g = next(found)
-                if g is not None:
-                    acc[rerun.window].add_(g)
+        """Add the gradients w.r.t. ``rerun.wrt`` (as returned by ``torch.autograd.grad``): the
+        other parameters'; the knots' were added as autograd made them (:meth:`rerun`)."""
+        found = iter(grads[sum(k.requires_grad for k in rerun.knots) :])
         for acc in self.extra_grads:
             g = next(found)
             if g is not None:
@@ -131,6 +137,12 @@ class ParamGrads:
         out: list[Tensor | None] = [next(knot_grads) for _ in self.knots]
         out += [next(extra_grads) if need else None for need in self.needs[len(self.knots) :]]
         return out
+
+
+def _add_into(accumulator: Tensor, grad: Tensor) -> Tensor:
+    """A knot leaf's hook: ``grad`` added into ``accumulator``; autograd gets a zero without memory."""
+    accumulator.add_(grad)
+    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
 
 def _grad_to_add_into(param: Tensor) -> Tensor | None:
