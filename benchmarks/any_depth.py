@@ -7,10 +7,11 @@ recipe, distilling from the source network, for each seed:
 
 - ``any-depth``: one file: the converted model calibrated for every depth at once
   (``odeify.calibrate(steps=[...])``), then one fine-tuning run with ``Recipe.depths`` (a depth drawn
-  per batch), read at each depth with ``odeify.set_steps`` (no re-conversion, no copy);
-- ``any-depth, lr 1e-4``: the same file fine-tuned at a peak learning rate of 1e-4 (the default
-  recipe's is 3e-4): a lever measured against the default, not adopted (the results file's "What was
-  tried"); budget 0 is ``any-depth``'s, and is not repeated;
+  per batch) at the default recipe's peak for several depths (``odeify.train.recipe.DEPTHS_LR``, 1e-4),
+  read at each depth with ``odeify.set_steps`` (no re-conversion, no copy);
+- ``any-depth, lr 3e-4``: the same file fine-tuned at 3e-4, the default peak of a run for one depth
+  (and of a multi-depth run before this benchmark chose 1e-4); budget 0 is ``any-depth``'s, and is not
+  repeated;
 - ``single depth``: today's: a file per depth, retargeted, calibrated and fine-tuned for it alone
   (at native depth the source itself, which it computes exactly);
 - ``LayerDrop`` (Fan et al. 2019): the source network trained with whole blocks of its runs skipped
@@ -54,8 +55,8 @@ from machine import command_line, describe_machine, write_results
 from tables import markdown_table
 from torch import nn
 
-METHODS = ("any-depth", "any-depth, lr 1e-4", "single depth", "LayerDrop", "layer drop calibrated")
-ANY_DEPTH = {"any-depth": None, "any-depth, lr 1e-4": 1e-4}
+METHODS = ("any-depth", "any-depth, lr 3e-4", "single depth", "LayerDrop", "layer drop calibrated")
+ANY_DEPTH = {"any-depth": None, "any-depth, lr 3e-4": 3e-4}
 """The any-depth methods and the peak learning rate each fine-tunes at (None: the recipe's default)."""
 DEPTHS = ("native", "x0.5", "x0.25", "x0.33")
 CACHE = Path(__file__).resolve().parents[1] / "out" / "any_depth_bench" / "runs.jsonl"

@@ -277,3 +277,19 @@ def test_a_run_for_several_depths_keeps_an_integrator_that_runs_at_each(native) 
         ("euler", "checkpoint")
     }
     odeify.set_steps(both, "x0.5")  # runs there
+
+
+def test_a_multi_depth_run_without_lr_peaks_at_most_at_the_depths_peak() -> None:
+    """``lr=None`` resolves per model: a run for several depths takes the lower of its integrators'
+    peak and DEPTHS_LR (measured in benchmarks/results/any_depth.md); a run for one depth, or a
+    recipe's own lr, is unchanged."""
+    from odeify.numerics.tableaus import resolve_integrator
+    from odeify.train.recipe import ALF_LR, DEFAULT_LR, DEPTHS_LR, Recipe, with_lr
+
+    euler, alf = resolve_integrator("euler"), resolve_integrator("alf")
+    assert ALF_LR < DEPTHS_LR < DEFAULT_LR  # else the min below would not be tested both ways
+    several = Recipe(depths="native,x0.5")
+    assert with_lr(several, [euler]).lr == DEPTHS_LR
+    assert with_lr(several, [alf]).lr == ALF_LR
+    assert with_lr(Recipe(), [euler]).lr == DEFAULT_LR
+    assert with_lr(replace(several, lr=1e-3), [euler]).lr == 1e-3

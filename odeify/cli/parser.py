@@ -21,7 +21,7 @@ from odeify.cli import arguments as arg
 from odeify.cli.console import print_log_lines, print_warnings_plainly, stdout_is_data
 from odeify.core.errors import OdeifyError
 from odeify.models import DEFAULT_MODEL_PATH
-from odeify.train.recipe import ALF_LR, DEFAULT_LR, DEFAULT_RECIPE
+from odeify.train.recipe import ALF_LR, DEFAULT_LR, DEFAULT_RECIPE, DEPTHS_LR
 
 DESCRIPTION = """\
 Compile trained residual networks (timm ResNets, ConvNeXts, RegNets, MobileNets, EfficientNets,
@@ -408,7 +408,8 @@ def _add_training_flags(finetune: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lr",
         type=arg.positive_float,
-        help=f"peak learning rate (default: {DEFAULT_LR:g}; {ALF_LR:g} where a stage integrates with alf)",
+        help=f"peak learning rate (default: {DEFAULT_LR:g}; {ALF_LR:g} where a stage integrates with alf; "
+        f"at most {DEPTHS_LR:g} with --depths)",
     )
     group.add_argument("--weight-decay", type=arg.nonnegative_float, help="weight decay (default 0.05)")
     group.add_argument(

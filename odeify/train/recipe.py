@@ -20,6 +20,7 @@ __all__ = [
     "AMP_DTYPES",
     "DEFAULT_LR",
     "DEFAULT_RECIPE",
+    "DEPTHS_LR",
     "EMA_WARMUP_POWER",
     "Recipe",
     "default_lr",
@@ -40,7 +41,8 @@ class Recipe:
 
     The learning rate rises linearly from 0 over the first ``warmup`` fraction of all steps to ``lr``,
     then follows a cosine to 0 at the last step. ``lr=None`` (the default) is the peak chosen for the
-    model's integrators, :func:`default_lr` (as timm's train.py leaves ``--lr`` unset to derive it).
+    model's integrators and ``depths``, :func:`default_lr` (as timm's train.py leaves ``--lr`` unset to
+    derive it).
     ``weight_decay`` applies to weight matrices and convolution kernels only (timm's grouping: biases,
     norms and knot biases are not decayed).
     The loss is ``(1 - distill) * cross-entropy + distill * T^2 * KL(teacher || model)`` at
@@ -142,17 +144,31 @@ model by a point (at most 0.84), and 6 epochs bring 21 of 24 runs within 0.5 poi
 (docs/design.md) makes its function more sensitive to the weights than the network's own."""
 
 
-def default_lr(integrators: Iterable[Integrator]) -> float:
+DEPTHS_LR = 1e-4
+"""The highest peak learning rate of a run fine-tuned for several depths (``Recipe.depths``): its knots
+serve every depth, each trained on a share of the batches. Measured by benchmarks/any_depth.py (2
+seeds; results/any_depth.md), 3e-4 against 1e-4: targets missed on the corpus 7 against 3 (the ViT's
+half depth after 1 epoch 91.36 against 93.18, a file per depth 93.18; every native depth within one
+image of its source at 1e-4, 2-3 images below at 3e-4), on resnet50 (not used to choose) 1 against 1;
+the cost, digits_seed0's half depth one image lower after 3 epochs (98.89 against 99.16)."""
+
+
+def default_lr(integrators: Iterable[Integrator], depths: bool = False) -> float:
     """The peak learning rate of a recipe without one, for a model whose stages use ``integrators``
-    (ALF with either start counts as ALF, and so does a splitting of ALF sub-steps)."""
+    (ALF with either start counts as ALF, and so does a splitting of ALF sub-steps), fine-tuned for
+    several depths or not (``depths``: at most :data:`DEPTHS_LR`)."""
     alf = AsyncLeapfrog().name
     uses_alf = any(isinstance(i, AsyncLeapfrog) or getattr(i, "substep", None) == alf for i in integrators)
-    return ALF_LR if uses_alf else DEFAULT_LR
+    peak = ALF_LR if uses_alf else DEFAULT_LR
+    return min(peak, DEPTHS_LR) if depths else peak
 
 
 def with_lr(recipe: Recipe, integrators: Iterable[Integrator]) -> Recipe:
-    """``recipe`` with its peak learning rate set: its own, else :func:`default_lr`'s for ``integrators``."""
-    return recipe if recipe.lr is not None else replace(recipe, lr=default_lr(integrators))
+    """``recipe`` with its peak learning rate set: its own, else :func:`default_lr`'s for ``integrators``
+    (and for ``recipe.depths``)."""
+    if recipe.lr is not None:
+        return recipe
+    return replace(recipe, lr=default_lr(integrators, depths=recipe.depths is not None))
 
 
 CALIBRATION_IMAGES = 256
