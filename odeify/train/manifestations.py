@@ -112,9 +112,9 @@ def _reversible_pays(model: fx.GraphModule) -> bool:
     """Whether :data:`MEMORY_FREE_DEFAULT` is worth it over checkpointing: not on a transformer with
     stages of one block, which keep their input under reversible as under checkpointing. Measured
     (benchmarks/results/peak_memory.md, one training step's peak and time against timm plain's):
-    swin_tiny, whose first two stages convert to eight one-block stages, reversible ALF 126 MiB at
-    2.26x against checkpoint's 184 MiB at 1.54x (the time half as much again); vit_small 60 MiB at
-    1.48x against 97 MiB at 1.43x."""
+    swin_tiny, whose first two stages convert to eight one-block stages, reversible ALF 121 MiB at
+    1.99x against checkpoint's 184 MiB at 1.48x (the time a third as much again); vit_small 60 MiB at
+    1.44x against 97 MiB at 1.39x."""
     stages = converted_stages(model)
     has_split = any(isinstance(s, SplitStage) for s in stages)
     return not (has_split and any(s.depth == 1 for s in stages))
