@@ -44,11 +44,12 @@ __all__ = [
 
 MEMORY_FREE_DEFAULT = {"integrator": "alf", "backward": "reversible"}
 """What a model at its source's manifestation trains with when nothing is asked for: ALF at its
-steps, ``backward='reversible'``. Exact gradients at the lowest peak memory of a training step at a
-step time within a quarter of checkpointing's (benchmarks/results/peak_memory.md, CPU: resnet50
-batch 16 peaks at 282 MiB at 1.33x timm plain's step time, checkpoint at 386 MiB at 1.11x, timm's
-checkpointing at 507 MiB at 1.36x); fine-tuned from there with the default recipe (at ALF's peak
-learning rate, :data:`odeify.train.recipe.ALF_LR`), it meets the fine-tuning target on the corpus
+steps, ``backward='reversible'``. Exact gradients at the lowest peak memory of a training step
+(benchmarks/results/peak_memory.md, CPU: resnet50 batch 16 peaks at 267 MiB at 1.51x timm plain's
+step time, checkpoint at 372 MiB at 1.41x, timm's checkpointing at 507 MiB at 1.75x; on resnet152
+ALF's step is a third above checkpoint's, 1.53x against 1.12x, at 163 MiB against 425); fine-tuned
+from there with the default recipe (at ALF's peak learning rate, :data:`odeify.train.recipe.ALF_LR`),
+it meets the fine-tuning target on the corpus
 (docs/finetuning.md)."""
 
 
