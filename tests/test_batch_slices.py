@@ -171,15 +171,22 @@ def test_step_peak_stays_below_timm_checkpointing(test_model, image, backward) -
     """The whole-model step of resnet50 (batch 4 at 224x224) against timm's checkpointing step, in
     tensor bytes alive at once. Measured: reversible ALF 0.77x (1.73x with nothing sliced), checkpoint
     0.87x (0.88x). Bounds 0.9x and 1.0x: a working set that grows back with the batch fails them."""
-    x = image((4, 3, 224, 224))
-    timm_model = test_model("resnet50", num_classes=10).train()
+    peak, timm_peak, _ = peaks_against_timm(test_model, "resnet50", image((4, 3, 224, 224)), backward)
+    assert peak <= {"reversible": 0.9, "checkpoint": 1.0}[backward] * timm_peak
+
+
+def peaks_against_timm(test_model, name: str, x: torch.Tensor, backward: str) -> tuple[int, int, int]:
+    """Step peaks of ``name`` converted (ALF for ``reversible``, else Euler) with ``backward`` and of
+    timm's checkpointing, and the bytes of the model's largest parameter."""
+    timm_model = test_model(name, num_classes=10).train()
     timm_model.set_grad_checkpointing(True)
     timm_peak = step_peak(timm_model, x)
     integrator = "alf" if backward == "reversible" else "euler"
-    source = test_model("resnet50", num_classes=10)
-    ode = odeify.convert(source, integrator=integrator, input_size=(1, 3, 224, 224))
+    source = test_model(name, num_classes=10)
+    largest = max(p.numel() * p.element_size() for p in source.parameters())
+    ode = odeify.convert(source, integrator=integrator, input_size=(1, *x.shape[1:]))
     odeify.set_backward(ode, backward)
-    assert step_peak(ode.train(), x) <= {"reversible": 0.9, "checkpoint": 1.0}[backward] * timm_peak
+    return step_peak(ode.train(), x), timm_peak, largest
 
 
 def test_sliced_segments_compute_the_unsliced_model(test_model, image, slice_rows) -> None:
@@ -237,15 +244,6 @@ def test_knot_gradients_are_not_all_alive_at_once(test_model, image, backward) -
     without a stacked copy. Measured: reversible ALF 9.67 MiB, checkpoint 9.66, 1.07x the largest
     weight (9.0 MiB), timm checkpointing 10.9 (before: 27.6, two conv gradients and a stacked copy
     alive). Bound 1.25x the largest weight: a second weight-sized tensor alive fails it."""
-    x = image((8, 3, 32, 32))
-    timm_model = test_model("resnet18", num_classes=10).train()
-    timm_model.set_grad_checkpointing(True)
-    timm_peak = step_peak(timm_model, x)
-    integrator = "alf" if backward == "reversible" else "euler"
-    source = test_model("resnet18", num_classes=10)
-    largest = max(p.numel() * p.element_size() for p in source.parameters())
-    ode = odeify.convert(source, integrator=integrator, input_size=(1, 3, 32, 32))
-    odeify.set_backward(ode, backward)
-    peak = step_peak(ode.train(), x)
+    peak, timm_peak, largest = peaks_against_timm(test_model, "resnet18", image((8, 3, 32, 32)), backward)
     assert peak <= 1.25 * largest
     assert peak <= timm_peak
