@@ -319,17 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--part", choices=["time", "memory"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not args.child:
-        unknown = [m for m in args.models if m not in BATCHES]
-        if args.checkpoint and (len(args.models) != 1 or args.batch is None):
-            parser.error("--checkpoint measures one model: give its architecture in --models and a --batch")
-        if unknown and not args.checkpoint and args.batch is None:
-            known = ", ".join(BATCHES)
-            parser.error(f"no batch known for {', '.join(unknown)}: pass --batch, or one of {known}")
     if args.child:
         args.steps = args.steps[0]
         child(args)
         return 0
+    unknown = [m for m in args.models if m not in BATCHES]
+    if args.checkpoint and (len(args.models) != 1 or args.batch is None):
+        parser.error("--checkpoint measures one model: give its architecture in --models and a --batch")
+    if unknown and args.batch is None:
+        parser.error(f"no batch known for {', '.join(unknown)}: pass --batch, or one of {', '.join(BATCHES)}")
     results = []
     for model in args.models:
         rows = [(m, steps) for m in args.modes for steps in (args.steps if m in ODEIFY_MODES else ["native"])]

@@ -144,25 +144,21 @@ class StageWriter:
         the stack per knot would allocate a stack-sized gradient for every use.
         """
         key = (slot.name, k)
-        if key not in self._knots and self.window.stop - self.window.start == 1:
+        if key in self._knots:
+            return self._knots[key]
+        stack = self.knot_inputs[slot.name]
+        name = f"{self.tag}_{slot.name}_k{k}"
+        if self.window.stop - self.window.start == 1:
             # a one-row window: a view, whose gradient is the knot's own (unbind's would be a stacked copy)
-            stack = self.knot_inputs[slot.name]
-            name = f"{self.tag}_{slot.name}_k{k}"
             self._knots[key] = self._weight_node("call_method", "squeeze", (stack, 0), name=name)
-        if key not in self._knots:
-            if slot.name not in self._unbound:
-                stack = self.knot_inputs[slot.name]
-                name = f"{self.tag}_{slot.name}_knots"
-                self._unbound[slot.name] = self._weight_node(
-                    "call_function", torch.unbind, (stack,), name=name
-                )
-            name = f"{self.tag}_{slot.name}_k{k}"
-            self._knots[key] = self._weight_node(
-                "call_function",
-                operator.getitem,
-                (self._unbound[slot.name], k - self.window.start),
-                name=name,
+            return self._knots[key]
+        if slot.name not in self._unbound:
+            self._unbound[slot.name] = self._weight_node(
+                "call_function", torch.unbind, (stack,), name=f"{self.tag}_{slot.name}_knots"
             )
+        self._knots[key] = self._weight_node(
+            "call_function", operator.getitem, (self._unbound[slot.name], k - self.window.start), name=name
+        )
         return self._knots[key]
 
     # -- the block and the field ---------------------------------------------------------------

@@ -84,8 +84,7 @@ def replay(graph: fx.GraphModule, args: tuple[torch.Tensor, ...], tape: Tape, rn
     """Run ``graph``, restoring the RNG state ``tape`` noted before each drawing node."""
     if not tape:
         return graph(*args)
-    named = frozenset(n.name for n in graph.graph.nodes if n.name in tape)
-    return _run_noting(graph, "replay", named, _Replaying(rng, tape), args)
+    return _run_noting(graph, "replay", frozenset(tape), _Replaying(rng, tape), args)
 
 
 class _Recording:
@@ -156,8 +155,8 @@ def _run_noting(
 
 
 def _noting(graph: fx.GraphModule, names: frozenset[str], after: bool) -> fx.GraphModule:
-    """A copy of ``graph`` calling :func:`_note_before` before each node in ``names`` (and
-    :func:`_note_after` after it when ``after``); it shares the original's modules and parameters."""
+    """A copy of ``graph`` calling :func:`_note_before` before each of its nodes named in ``names``
+    (and :func:`_note_after` after it when ``after``); it shares the original's modules and parameters."""
     copy = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.graph.nodes:
