@@ -91,15 +91,14 @@ MANIFESTATIONS: dict[str, dict[str, Any]] = {
     "rev. Heun, half steps": {"integrator": "reversible_heun", "steps": "x0.5", "backward": "reversible"},
     "linear, 2 knots": {"basis": "linear", "knots": 2, "backward": "reverse"},
     "ALF, native steps": {"integrator": "alf", "steps": "native", "backward": "reversible"},
+    "Euler, native steps": {"integrator": "euler", "steps": "native", "backward": "checkpoint"},
     "Strang, half steps": {"integrator": "strang", "steps": "x0.5", "backward": "checkpoint"},
     "Lie-Trotter, native, checkpoint": {"integrator": "lie_trotter", "backward": "checkpoint"},
 }
 ONE_STEPS: dict[str, dict[str, Any]] = {ONE_STEP: {}, ONE_STEP_ALF: MANIFESTATIONS["ALF, native steps"]}
 """The one-step checks: one optimizer step of the recipe on the model as converted, or on its ALF
-manifestation at the native steps (what ``odeify finetune`` trains a model as converted with, issue 22)."""
-CLI_DEFAULT = MANIFESTATIONS["ALF, native steps"]
-"""``odeify finetune FILE`` with no manifestation flag trains a model as converted so (issue 22): the
-CLI runs of this manifestation pass no flag."""
+manifestation at the native steps (what ``odeify finetune`` trains a model as converted with where
+ALF's training step peaks lower than checkpointing's: odeify.train.manifestations.PEAK_MARGIN)."""
 CLI_FLAGS = {"integrator": "--integrator", "steps": "--steps", "knots": "--knots", "basis": "--basis"}
 AUGMENTATIONS = {
     "as trained": {"hflip": float(TRAIN_PY_RECIPE["--hflip"])},
@@ -223,9 +222,7 @@ def run_cli(key: dict[str, Any], corpus: Path, work: Path) -> dict[str, Any]:
     if key["manifestation"] in ONE_STEPS:
         command += ["--epochs", "1", "--max-batches", "1"]
     settings = _settings(key["manifestation"])
-    if settings == CLI_DEFAULT:
-        settings = {}  # what the command trains a model as converted with, given no manifestation flag
-    elif not settings:
+    if not settings:
         settings = {"integrator": "euler"}  # the model as converted, as converted (not the default)
     command += [x for k, v in settings.items() for x in ((CLI_FLAGS.get(k, f"--{k}"), str(v)))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

@@ -121,7 +121,7 @@ def manifestation_arguments(
         default=DEFAULTS["integrator"] if defaults else None,
         help=f"one of {', '.join(KNOWN_INTEGRATORS)}"
         + (" (default: euler)" if defaults else keep)
-        + (" (a model as converted, given no manifestation flag: alf; see --backward)" if finetuning else ""),
+        + (" (a model as converted, given no manifestation flag: see --backward)" if finetuning else ""),
     )
     group.add_argument(
         "--steps",
@@ -153,8 +153,10 @@ def manifestation_arguments(
     if finetuning:
         backward_help += (
             "; default: a model as converted, given no manifestation flag, trains as --integrator alf "
-            "--backward reversible (not with --amp, nor on a GPU without --deterministic); else "
-            "reversible for alf and reversible_heun, checkpoint otherwise"
+            "--backward reversible where one training step on a batch of the run's shape peaks at most "
+            "0.9x checkpoint's (measured at the start, logged), else with checkpoint (also with --amp, "
+            "and on a GPU without --deterministic); else reversible for alf and reversible_heun, "
+            "checkpoint otherwise"
         )
     group.add_argument(
         "--backward",

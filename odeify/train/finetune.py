@@ -135,6 +135,7 @@ __all__ = [
     "Processes",
     "Recipe",
     "TrainingDiverged",
+    "check_arguments",
     "finetune",
     "for_training",
     "learning_rate_factor",
@@ -208,7 +209,7 @@ def finetune(
     uncalibrated run); said in the log. ``calibrate_objective``: that calibration's ``objective``
     (default ``"output"``: the last stage fitted to the network's output too; ``"stage"``: not).
     """
-    refine_epochs = _check_arguments(model, recipe, refine_at, max_batches, seed)
+    refine_epochs = check_arguments(model, recipe, refine_at, max_batches, seed)
     cli = "cli" in (run_info or {})  # the command line's run: the log names its flags, not Python's
     check_objective(calibrate_objective, "calibrate_objective")
     recipe = recipe_for(model, recipe)
@@ -395,7 +396,7 @@ def _validate_epoch(trainer: Trainer, record: EpochRecord, val_loader, plan: Dep
         record.val_accuracy_raw = validation_at_depths(trainer.model, val_loader, trainer.procs, plan)[0]
 
 
-def _check_arguments(
+def check_arguments(
     model: nn.Module, recipe: Recipe, refine_at: Sequence[int], max_batches: int | None, seed: object
 ) -> list[int]:
     """Refuse what cannot be trained before any work; returns the refinement epochs, sorted."""

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.fx as fx
 from safetensors import safe_open
 from torch import nn
@@ -25,10 +27,14 @@ from odeify.ir.stage_ir import StageIR
 from odeify.numerics.splitting import SPLITTINGS
 from odeify.numerics.tableaus import REVERSIBLE_SCHEMES
 from odeify.runtime.split_stage import SplitStage
+from odeify.train.progress import LOGGER
 from odeify.train.recipe import Recipe, with_lr
+from odeify.train.step_peak import training_step_peak
 
 __all__ = [
     "MEMORY_FREE_DEFAULT",
+    "PEAK_MARGIN",
+    "StepProbe",
     "at_source_manifestation",
     "load_teacher",
     "for_training",
@@ -43,14 +49,34 @@ __all__ = [
 
 
 MEMORY_FREE_DEFAULT = {"integrator": "alf", "backward": "reversible"}
-"""What a model at its source's manifestation trains with when nothing is asked for: ALF at its
-steps, ``backward='reversible'``. Exact gradients at the lowest peak memory of a training step
-(benchmarks/results/peak_memory.md, CPU: resnet50 batch 16 peaks at 267 MiB at 1.51x timm plain's
-step time, checkpoint at 372 MiB at 1.41x, timm's checkpointing at 507 MiB at 1.75x; on resnet152
-ALF's step is a third above checkpoint's, 1.53x against 1.12x, at 163 MiB against 425); fine-tuned
-from there with the default recipe (at ALF's peak learning rate, :data:`odeify.train.recipe.ALF_LR`),
-it meets the fine-tuning target on the corpus
+"""What a model at its source's manifestation trains with when nothing is asked for, where its
+training step peaks lower than checkpointing's (:data:`PEAK_MARGIN`): ALF at its steps,
+``backward='reversible'``. Exact gradients at the lowest peak memory of a training step on 224x224
+models (benchmarks/results/peak_memory.md, CPU: resnet50 batch 16 peaks at 267 MiB at 1.51x timm
+plain's step time, checkpoint at 372 MiB at 1.41x, timm's checkpointing at 507 MiB at 1.75x; on
+resnet152 ALF's step is a third above checkpoint's, 1.53x against 1.12x, at 163 MiB against 425);
+fine-tuned from there with the default recipe (at ALF's peak learning rate,
+:data:`odeify.train.recipe.ALF_LR`), it meets the fine-tuning target on the corpus
 (docs/finetuning.md)."""
+
+PEAK_MARGIN = 0.9
+"""How far below checkpointing's the measured step peak of :data:`MEMORY_FREE_DEFAULT` must be for
+a run to take it by default: a reversible step costs more time (ALF 1.0-1.35x checkpoint's on the
+CPU, benchmarks/results/peak_memory.md), so it has to buy memory. Measured ratios of ALF's peak to
+checkpoint's: 0.38 (resnet152, 224x224), 0.59-0.72 (ConvNeXt, ViT, resnet50), 0.81 (resnet50 at
+batch 8); 1.11-1.61 on the corpus's 32x32 models (resnet18, resnet50, a 6-block ViT), 1.2 on the
+digits model."""
+
+
+@dataclass(frozen=True)
+class StepProbe:
+    """The batch a run trains on, by shape and device: :func:`for_training` measures its default on it.
+
+    ``announce``: log what was measured (the run's main process)."""
+
+    batch_shape: tuple[int, ...]
+    device: torch.device
+    announce: bool = True
 
 
 def for_training(
@@ -59,6 +85,7 @@ def for_training(
     *,
     rebuilds_exactly: bool = True,
     depths: str | None = None,
+    probe: StepProbe | None = None,
     **settings: Any,
 ):
     """``model`` retargeted by ``settings`` (integrator, steps, knots, basis) to train with ``backward``.
@@ -67,10 +94,12 @@ def for_training(
     trains as :data:`MEMORY_FREE_DEFAULT` where every stage takes it (the run's first log line shows
     each stage's manifestation; on a transformer ALF means its Lie-Trotter splitting), if the run
     ``rebuilds_exactly``: False under autocast, which the lattice does not run, and on a GPU without
-    deterministic kernels, whose re-runs may return other bits; and where it keeps less memory than
-    checkpointing (not on a transformer with one-block stages, such as Swin's first stages). Otherwise,
-    without ``backward``, every stage gets the mode of :func:`memory_free_backward`. A run for several
-    ``depths`` (``Recipe.depths``) keeps the model's integrator: ALF runs only at multiples of its knots.
+    deterministic kernels, whose re-runs may return other bits; not on a transformer with one-block
+    stages, such as Swin's first stages; and, given the run's batch (``probe``), where one training
+    step on it peaks below :data:`PEAK_MARGIN` times checkpointing's (measured on copies, logged).
+    Otherwise, without ``backward``, every stage gets the mode of :func:`memory_free_backward`. A run
+    for several ``depths`` (``Recipe.depths``) keeps the model's integrator: ALF runs only at
+    multiples of its knots.
     """
     if (
         backward is None
@@ -81,10 +110,31 @@ def for_training(
         and _reversible_pays(model)
     ):
         with contextlib.suppress(ConfigError):  # a stage ALF cannot run (a split stage): as below
-            return retarget(model, **MEMORY_FREE_DEFAULT)
+            reversible = retarget(model, **MEMORY_FREE_DEFAULT)
+            if probe is None:
+                return reversible
+            return _lower_peak(reversible, retarget(model, backward=memory_free_backward(model)), probe)
     integrator = settings.get("integrator")
     mode = backward if backward is not None else memory_free_backward(model, integrator)
     return retarget(model, backward=mode, **settings)
+
+
+def _lower_peak(reversible: fx.GraphModule, checkpointed: fx.GraphModule, probe: StepProbe) -> fx.GraphModule:
+    """``reversible`` where one training step on the probe's batch peaks below :data:`PEAK_MARGIN`
+    times ``checkpointed``'s, else ``checkpointed``; the log says what was measured and chosen."""
+    peaks = [training_step_peak(m, probe.batch_shape, probe.device) for m in (reversible, checkpointed)]
+    takes_reversible = peaks[0] <= PEAK_MARGIN * peaks[1]
+    if probe.announce:
+        batch, *sample = probe.batch_shape
+        chosen = "reversible ALF" if takes_reversible else "checkpoint"
+        LOGGER.info(
+            f"default backward mode, measured on one training step (batch {batch} of "
+            f"{'x'.join(map(str, sample))}): reversible ALF peaks at {peaks[0] / 2**20:.1f} MiB, checkpoint "
+            f"at {peaks[1] / 2**20:.1f} MiB; training with {chosen} (ALF where its peak is below "
+            f"{PEAK_MARGIN:g}x checkpoint's: its step takes longer). --backward checkpoint, or --integrator "
+            "alf --backward reversible, picks one."
+        )
+    return reversible if takes_reversible else checkpointed
 
 
 def recipe_for(model: fx.GraphModule, recipe: Recipe) -> Recipe:

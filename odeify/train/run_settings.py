@@ -11,17 +11,19 @@ settings with the run.
 from __future__ import annotations
 
 import argparse
+import random
 from dataclasses import fields, replace
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
-from odeify.train.datasets import Augmentation, open_data, recorded_augmentation
+from odeify.train.datasets import Augmentation, LabelledData, check_data, open_data, recorded_augmentation
 from odeify.train.distributed import Processes
-from odeify.train.finetune import FineTuneResult, finetune
-from odeify.train.manifestations import for_training
+from odeify.train.finetune import FineTuneResult, check_arguments, finetune
+from odeify.train.manifestations import StepProbe, for_training
 from odeify.train.progress import DEFAULT_LOG_INTERVAL
 from odeify.train.recipe import DEFAULT_RECIPE, Recipe
 from odeify.train.state_schema import RECORDED
@@ -85,22 +87,30 @@ def finetune_with(
     loaded: fx.GraphModule, settings: argparse.Namespace, recipe: Recipe, out: Path, processes: Processes
 ) -> FineTuneResult:
     """``loaded`` in the manifestation ``settings`` ask for, fine-tuned on their data with ``recipe``
-    into ``out``; the settings of :data:`~odeify.train.state_schema.RECORDED` are recorded with the run."""
+    into ``out`` (the default manifestation measured on a batch of the recipe's size and the data's
+    input shape); the settings of :data:`~odeify.train.state_schema.RECORDED` are recorded with the run."""
     manifestation = {
         k: getattr(settings, k) for k in _TRAINED_MANIFESTATION if getattr(settings, k) is not None
     }
     exact = recipe.amp is None and (processes.device.type == "cpu" or bool(settings.deterministic))
+    data = open_data(settings.data, loaded, augmentation(settings, loaded))
+    seed = 0 if settings.seed is None else settings.seed
+    # refused before the default's training step is measured, not after
+    check_arguments(loaded, recipe, settings.refine_at or [], settings.max_batches, seed)
+    check_data(data, loaded)
+    batch = (recipe.batch_size, *_sample_shape(data))
+    probe = StepProbe(batch, processes.device, announce=processes.is_main)
     model = for_training(
-        loaded, settings.backward, rebuilds_exactly=exact, depths=recipe.depths, **manifestation
+        loaded, settings.backward, rebuilds_exactly=exact, depths=recipe.depths, probe=probe, **manifestation
     )
     return finetune(
         model,
-        open_data(settings.data, model, augmentation(settings, model)),
+        data,
         recipe,
         out=out,
         resume=settings.resume,
         refine_at=settings.refine_at or [],
-        seed=0 if settings.seed is None else settings.seed,
+        seed=seed,
         max_batches=settings.max_batches,
         workers=settings.workers,
         processes=processes,
@@ -111,3 +121,13 @@ def finetune_with(
         calibrate_first=settings.calibrate,
         calibrate_objective=settings.calibrate_objective,
     )
+
+
+def _sample_shape(data: LabelledData) -> tuple[int, ...]:
+    """One training input's shape, read without moving the RNGs the run draws from (an image
+    folder's augmentation draws from torch's and Python's)."""
+    state = random.getstate()
+    with torch.random.fork_rng():
+        shape = tuple(data.train[0][0].shape)
+    random.setstate(state)
+    return shape
