@@ -109,10 +109,12 @@ def for_training(
         and at_source_manifestation(model)
         and _reversible_pays(model)
     ):
+        reversible = None
         with contextlib.suppress(ConfigError):  # a stage ALF cannot run (a split stage): as below
             reversible = retarget(model, **MEMORY_FREE_DEFAULT)
-            if probe is None:
-                return reversible
+        if reversible is not None and probe is None:
+            return reversible
+        if reversible is not None:
             return _lower_peak(reversible, retarget(model, backward=memory_free_backward(model)), probe)
     integrator = settings.get("integrator")
     mode = backward if backward is not None else memory_free_backward(model, integrator)
