@@ -719,12 +719,20 @@ def _kept(kept: list[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_a_one_step_stage_keeps_its_input_quietly(scheme, dtype) -> None:
-    """One step: the stage keeps its input (one state, which the part before keeps anyway) instead of
-    its output's residual and the other registers, recomputes the step in backward, with backprop's
-    gradients, and neither warns nor counts a fallback. Two steps keep the packed registers."""
-    for steps, keeps_input in [(1, True), (2, False)]:
-        stage = digits_stage(0, dtype, knots=steps, steps=steps, integrator=scheme)
+def test_a_one_step_stage_keeps_its_input_quietly(resnet18, scheme, dtype) -> None:
+    """One step, or one block at any steps (resnet18's layer2 after its downsampling block, at 4
+    steps): the stage keeps its input (one state, which the part before keeps anyway) instead of its
+    output's residual and the other registers, recomputes its steps in backward, with backprop's
+    gradients, and neither warns nor counts a fallback. Two steps of a four-block stage keep the
+    packed registers."""
+    one_block = odeify.retarget(resnet18[dtype], steps="x4", integrator=scheme)
+    cases = [
+        (digits_stage(0, dtype, knots=1, steps=1, integrator=scheme), True),
+        (digits_stage(0, dtype, knots=2, steps=2, integrator=scheme), False),
+        (odeify.converted_stages(one_block)[1].standalone(), True),
+    ]
+    for stage, keeps_input in cases:
+        steps = stage.steps
         x = stage_input(stage, 2, dtype)
         cot = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dtype)
         want = stage_reference(stage, x, cot)

@@ -169,9 +169,9 @@ def test_reversible_whole_model_memory_is_flat_in_steps(converted) -> None:
 
     Kept: the input, every segment's input (the stage outputs), each stage's 1.25 extra states: for
     ALF (its output's int8 residual and p = h/2 v as int32 counts) no more than for reversible Heun.
-    At native steps a stage of one block keeps its input instead, which costs less (this model's
-    layer2 to layer4: 162,880 bytes at 2x and 8x, 155,664 at native). (ALF's backprop keeps half of
-    reversible Heun's, one evaluation per step: hence its larger ratio.)
+    A stage of one block keeps its input instead, which costs less (this model's layer2 to layer4:
+    155,664 bytes at native, 2x and 8x; 162,880 at 2x and 8x when they kept packed registers).
+    (ALF's backprop keeps half of reversible Heun's, one evaluation per step: hence its larger ratio.)
     """
     x, _ = inputs(torch.float32)
     sizes = {}

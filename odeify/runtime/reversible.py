@@ -32,12 +32,15 @@ kernels), or a state that exceeded the bound between steps only, shows as rebuil
 registers that differ from the start (reversible Heun's y_0 = z_0, ALF's p_0 = 0): every such
 pass warns and records the gap in ``stats.last_errors``.
 
-A stage of one step keeps its input in place of its final registers, quietly: the input (the output
-of the part before, which that part keeps in any case) costs one state at most where the output's
-residual and the other registers cost about 1.25 (ALF's p in int32 beside an int8 residual), and
-backward recomputes the one step from it, exactly, at one more evaluation. Swin's first stages
-convert to one-block stages: swin_tiny's reversible ALF keeps 89 MiB for backward so, 144 with the
-packed registers, against timm checkpointing's 91 (benchmarks/results/train_step_transformers.md).
+A stage of one step, or of one block at any steps, keeps its input in place of its final registers,
+quietly: the input (the output of the part before, which that part keeps in any case) costs one
+state at most where the output's residual and the other registers cost about 1.25 (ALF's p in int32
+beside an int8 residual), and backward recomputes the stage's steps from it, exactly, at one more
+evaluation a step and, while it walks back, one evaluation input a step per slice of the batch.
+Swin's first stages convert to one-block stages: swin_tiny's reversible ALF keeps 89 MiB for
+backward so, 144 with the packed registers, against timm checkpointing's 91
+(benchmarks/results/train_step_transformers.md); at 4x steps its training step peaks at 120.5 MiB,
+as at native steps (175.6 with the packed registers; batch 8, tensor peak).
 """
 
 from __future__ import annotations
@@ -255,8 +258,8 @@ class LatticeAdjoint(StageFunction):
             else:
                 out[rows] = part
             kept.append(packed)
-            whys += [why] if packed is None else []
-        if whys and stage.steps > 1:
+            whys += [why] if why else []
+        if whys:
             _note_fallback(call, whys[0])
         layout = [None if packed is None else len(packed) for packed in kept]
         saved = [out, x if None in layout else None]
@@ -291,7 +294,7 @@ def _forward_slice(
     """One slice forward: its output, its compact final registers (None: keep its input instead), why not."""
     lattice = Lattice(x, half_step(stage))
     registers = _run(program, stage, lattice, context, knots, lattice.counts(x))
-    if stage.steps == 1:  # its input costs less to keep than packed registers (module docstring)
+    if stage.steps == 1 or stage.depth == 1:  # its input costs less to keep (module docstring)
         return lattice.value(registers[0]), None, ""
     return lattice.pack(registers, program.scheme)
 
