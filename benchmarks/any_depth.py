@@ -378,10 +378,11 @@ def report(args: argparse.Namespace, argv: list[str] | None) -> None:
     entries = list(read_cache(args.cache).values())
     models = list(dict.fromkeys(e["model"] for e in entries))
     budgets = sorted({e["epochs"] for e in entries if e["method"] != "switch"})
+    seeds = " / ".join(f"seed {s}" for s in sorted({e["seed"] for e in entries if e["method"] != "switch"}))
     lines = [
         "# One file for every depth, against LayerDrop and a file per depth",
         "",
-        "Validation accuracy (359 images; one image is 0.28 point) by seed (seed 0 / seed 1, mean in "
+        f"Validation accuracy (359 images; one image is 0.28 point) by seed ({seeds}, mean in "
         "brackets); budget 0 is before fine-tuning (calibration only), 1 and 3 after that many epochs of "
         "the default recipe (each budget its own run). `ms`: forward time per image at that depth (batch "
         "64, median of 5). `any-depth` is one file per model, seed and budget, read at each depth with "
