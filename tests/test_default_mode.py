@@ -113,3 +113,28 @@ def test_asked_for_settings_are_not_measured(native, monkeypatch) -> None:
     probe = StepProbe((8, 1, 32, 32), torch.device("cpu"))
     assert _modes(for_training(native, "checkpoint", probe=probe)) == {("euler", "checkpoint")}
     assert _modes(for_training(native, probe=probe, integrator="alf")) == {("alf", "reversible")}
+
+
+def test_a_run_records_its_measured_default_and_its_resume_keeps_it(tmp_path, monkeypatch) -> None:
+    """``odeify finetune`` given no manifestation flag records the mode it measured as if given (the
+    digits model: ``--backward checkpoint``), so ``--resume`` trains the same without measuring again,
+    wherever it runs."""
+    import odeify.train.manifestations as manifestations
+    from odeify.cli.parser import main
+    from odeify.models import DEFAULT_MODEL_PATH
+    from odeify.train.state import read_run
+
+    out = tmp_path / "run"
+    run = ["finetune", str(DEFAULT_MODEL_PATH), "--data", "digits", "--max-batches", "1", "--out", str(out)]
+    assert main([*run, "--epochs", "1"]) == 0
+    assert {k: read_run(out)["cli"][k] for k in ("integrator", "backward")} == {
+        "integrator": None,
+        "backward": "checkpoint",
+    }
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a resume measured the default again")
+
+    monkeypatch.setattr(manifestations, "training_step_peak", refuse)
+    assert main([*run, "--epochs", "2", "--resume"]) == 0
+    assert read_run(out)["cli"]["backward"] == "checkpoint"

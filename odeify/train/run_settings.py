@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from odeify.compiler.conversion import converted_stages
 from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
 from odeify.train.datasets import Augmentation, LabelledData, check_data, open_data, recorded_augmentation
 from odeify.train.distributed import Processes
@@ -98,11 +99,15 @@ def finetune_with(
     # refused before the default's training step is measured, not after
     check_arguments(loaded, recipe, settings.refine_at or [], settings.max_batches, seed)
     check_data(data, loaded)
+    # a run recorded before the default was measured resumes with the default it was trained with
+    measured = not (settings.resume and not manifestation and settings.backward is None)
     batch = (recipe.batch_size, *_sample_shape(data))
-    probe = StepProbe(batch, processes.device, announce=processes.is_main)
+    probe = StepProbe(batch, processes.device, announce=processes.is_main) if measured else None
     model = for_training(
         loaded, settings.backward, rebuilds_exactly=exact, depths=recipe.depths, probe=probe, **manifestation
     )
+    if not settings.resume and not manifestation and settings.backward is None:
+        _record_default(settings, model)
     return finetune(
         model,
         data,
@@ -131,3 +136,17 @@ def _sample_shape(data: LabelledData) -> tuple[int, ...]:
         shape = tuple(data.train[0][0].shape)
     random.setstate(state)
     return shape
+
+
+def _record_default(settings: argparse.Namespace, model: fx.GraphModule) -> None:
+    """Record the manifestation a run given none trains with as if given (``--integrator alf --backward
+    reversible``, or ``--backward checkpoint``): a resume then trains the same, wherever it runs,
+    whatever the measurement would choose there."""
+    modes = {(stage.integrator.name, stage.backward) for stage in converted_stages(model)}
+    if len(modes) != 1:
+        return
+    ((integrator, backward),) = modes
+    if backward == "reversible" and integrator in ("alf", "lie_trotter_alf"):
+        settings.integrator, settings.backward = "alf", "reversible"
+    elif backward == "checkpoint":
+        settings.backward = "checkpoint"
