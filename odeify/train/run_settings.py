@@ -99,8 +99,10 @@ def finetune_with(
     # refused before the default's training step is measured, not after
     check_arguments(loaded, recipe, settings.refine_at or [], settings.max_batches, seed)
     check_data(data, loaded)
-    # a run recorded before the default was measured resumes with the default it was trained with
+    # a run recorded before the default was measured resumes with the default it was trained with; a
+    # split without one full batch per process is refused by finetune, before any step
     measured = not (settings.resume and not manifestation and settings.backward is None)
+    measured &= len(data.train) // processes.world_size >= recipe.batch_size
     batch = (recipe.batch_size, *_sample_shape(data))
     probe = StepProbe(batch, processes.device, announce=processes.is_main) if measured else None
     model = for_training(
