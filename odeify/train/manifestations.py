@@ -61,7 +61,7 @@ fine-tuned from there with the default recipe (at ALF's peak learning rate,
 
 PEAK_MARGIN = 0.9
 """How far below checkpointing's the measured step peak of :data:`MEMORY_FREE_DEFAULT` must be for
-a run to take it by default: a reversible step costs more time (ALF 1.0-1.35x checkpoint's on the
+a run to take it by default: a reversible step costs more time (ALF 1.01-1.37x checkpoint's on the
 CPU, benchmarks/results/peak_memory.md), so it has to buy memory. Measured ratios of ALF's peak to
 checkpoint's: 0.38 (resnet152, 224x224), 0.59-0.72 (ConvNeXt, ViT, resnet50), 0.81 (resnet50 at
 batch 8); 1.11-1.61 on the corpus's 32x32 models (resnet18, resnet50, a 6-block ViT), 1.2 on the
