@@ -112,9 +112,9 @@ def for_training(
         reversible = None
         with contextlib.suppress(ConfigError):  # a stage ALF cannot run (a split stage): as below
             reversible = retarget(model, **MEMORY_FREE_DEFAULT)
-        if reversible is not None and probe is None:
-            return reversible
         if reversible is not None:
+            if probe is None:
+                return reversible
             return _lower_peak(reversible, retarget(model, backward=memory_free_backward(model)), probe)
     integrator = settings.get("integrator")
     mode = backward if backward is not None else memory_free_backward(model, integrator)

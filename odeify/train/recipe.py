@@ -24,6 +24,7 @@ __all__ = [
     "EMA_WARMUP_POWER",
     "Recipe",
     "default_lr",
+    "uses_alf",
     "with_lr",
 ]
 
@@ -157,10 +158,15 @@ def default_lr(integrators: Iterable[Integrator], depths: bool = False) -> float
     """The peak learning rate of a recipe without one, for a model whose stages use ``integrators``
     (ALF with either start counts as ALF, and so does a splitting of ALF sub-steps), fine-tuned for
     several depths or not (``depths``: at most :data:`DEPTHS_LR`)."""
-    alf = AsyncLeapfrog().name
-    uses_alf = any(isinstance(i, AsyncLeapfrog) or getattr(i, "substep", None) == alf for i in integrators)
-    peak = ALF_LR if uses_alf else DEFAULT_LR
+    peak = ALF_LR if uses_alf(integrators) else DEFAULT_LR
     return min(peak, DEPTHS_LR) if depths else peak
+
+
+def uses_alf(integrators: Iterable[Integrator]) -> bool:
+    """Whether any of ``integrators`` steps with ALF: ALF with either start, or a splitting of ALF
+    sub-steps."""
+    alf = AsyncLeapfrog().name
+    return any(isinstance(i, AsyncLeapfrog) or getattr(i, "substep", None) == alf for i in integrators)
 
 
 def with_lr(recipe: Recipe, integrators: Iterable[Integrator]) -> Recipe:

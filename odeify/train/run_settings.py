@@ -24,9 +24,9 @@ from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
 from odeify.train.datasets import Augmentation, LabelledData, check_data, open_data, recorded_augmentation
 from odeify.train.distributed import Processes
 from odeify.train.finetune import FineTuneResult, check_arguments, finetune
-from odeify.train.manifestations import StepProbe, for_training
+from odeify.train.manifestations import MEMORY_FREE_DEFAULT, StepProbe, for_training
 from odeify.train.progress import DEFAULT_LOG_INTERVAL
-from odeify.train.recipe import DEFAULT_RECIPE, Recipe
+from odeify.train.recipe import DEFAULT_RECIPE, Recipe, uses_alf
 from odeify.train.state_schema import RECORDED
 
 __all__ = ["RECIPE_FLAGS", "augmentation", "finetune_with", "recipe_from", "with_recorded"]
@@ -99,16 +99,18 @@ def finetune_with(
     # refused before the default's training step is measured, not after
     check_arguments(loaded, recipe, settings.refine_at or [], settings.max_batches, seed)
     check_data(data, loaded)
+    given_none = not manifestation and settings.backward is None
     # a run recorded before the default was measured resumes with the default it was trained with; a
     # split without one full batch per process is refused by finetune, before any step
-    measured = not (settings.resume and not manifestation and settings.backward is None)
-    measured &= len(data.train) // processes.world_size >= recipe.batch_size
-    batch = (recipe.batch_size, *_sample_shape(data))
-    probe = StepProbe(batch, processes.device, announce=processes.is_main) if measured else None
+    fits = len(data.train) // processes.world_size >= recipe.batch_size
+    probe = None
+    if fits and not (settings.resume and given_none):
+        batch = (recipe.batch_size, *_sample_shape(data))
+        probe = StepProbe(batch, processes.device, announce=processes.is_main)
     model = for_training(
         loaded, settings.backward, rebuilds_exactly=exact, depths=recipe.depths, probe=probe, **manifestation
     )
-    if not settings.resume and not manifestation and settings.backward is None:
+    if given_none and not settings.resume:
         _record_default(settings, model)
     return finetune(
         model,
@@ -144,11 +146,9 @@ def _record_default(settings: argparse.Namespace, model: fx.GraphModule) -> None
     """Record the manifestation a run given none trains with as if given (``--integrator alf --backward
     reversible``, or ``--backward checkpoint``): a resume then trains the same, wherever it runs,
     whatever the measurement would choose there."""
-    modes = {(stage.integrator.name, stage.backward) for stage in converted_stages(model)}
-    if len(modes) != 1:
-        return
-    ((integrator, backward),) = modes
-    if backward == "reversible" and integrator in ("alf", "lie_trotter_alf"):
-        settings.integrator, settings.backward = "alf", "reversible"
-    elif backward == "checkpoint":
+    stages = converted_stages(model)
+    backward = {stage.backward for stage in stages}
+    if backward == {"reversible"} and all(uses_alf([stage.integrator]) for stage in stages):
+        settings.integrator, settings.backward = MEMORY_FREE_DEFAULT["integrator"], "reversible"
+    elif backward == {"checkpoint"}:
         settings.backward = "checkpoint"
