@@ -119,7 +119,6 @@ def test_a_run_records_its_measured_default_and_its_resume_keeps_it(tmp_path, mo
     """``odeify finetune`` given no manifestation flag records the mode it measured as if given (the
     digits model: ``--backward checkpoint``), so ``--resume`` trains the same without measuring again,
     wherever it runs."""
-    import odeify.train.manifestations as manifestations
     from odeify.cli.parser import main
     from odeify.models import DEFAULT_MODEL_PATH
     from odeify.train.state import read_run
@@ -132,9 +131,56 @@ def test_a_run_records_its_measured_default_and_its_resume_keeps_it(tmp_path, mo
         "backward": "checkpoint",
     }
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("a resume measured the default again")
-
-    monkeypatch.setattr(manifestations, "training_step_peak", refuse)
+    _refuse_measuring(monkeypatch)
     assert main([*run, "--epochs", "2", "--resume"]) == 0
     assert read_run(out)["cli"]["backward"] == "checkpoint"
+
+
+def _refuse_measuring(monkeypatch) -> None:
+    import odeify.train.manifestations as manifestations
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the default was measured")
+
+    monkeypatch.setattr(manifestations, "training_step_peak", refuse)
+
+
+def test_a_run_recorded_before_the_measurement_resumes_as_it_trained(tmp_path, monkeypatch, caplog) -> None:
+    """A run whose record names no manifestation (written before the default was measured, which
+    trained with ALF) resumes with ALF, unmeasured; the model it began with must match (a resume in
+    another manifestation is refused by the run's fingerprint)."""
+    import json
+
+    import safetensors.torch
+    from safetensors import safe_open
+
+    from odeify.cli.parser import main
+    from odeify.models import DEFAULT_MODEL_PATH
+    from odeify.train.finetune import STATE_FILE, STATE_KEY
+
+    out = tmp_path / "run"
+    run = ["finetune", str(DEFAULT_MODEL_PATH), "--data", "digits", "--max-batches", "1", "--out", str(out)]
+    assert main([*run, "--epochs", "1", "--integrator", "alf", "--backward", "reversible"]) == 0
+    state = out / STATE_FILE
+    with safe_open(str(state), framework="pt") as handle:
+        record = json.loads(handle.metadata()[STATE_KEY])
+    record["run"]["cli"].update(integrator=None, backward=None)  # as the previous version recorded it
+    tensors = safetensors.torch.load_file(str(state))
+    state.write_bytes(safetensors.torch.save(tensors, metadata={STATE_KEY: json.dumps(record)}))
+    _refuse_measuring(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="odeify"):
+        assert main([*run, "--epochs", "2", "--resume"]) == 0
+    assert "layer1: alf" in caplog.text and "backward reversible" in caplog.text
+
+
+def test_a_split_without_one_full_batch_is_refused_unmeasured(tmp_path, monkeypatch, capsys) -> None:
+    """A batch larger than the training split is refused naming --batch-size, before any step is
+    measured at it."""
+    from odeify.cli.parser import main
+    from odeify.models import DEFAULT_MODEL_PATH
+
+    _refuse_measuring(monkeypatch)
+    code = main(["finetune", str(DEFAULT_MODEL_PATH), "--data", "digits", "--batch-size", "5000", "--out",
+                 str(tmp_path / "run")])  # fmt: skip
+    assert code == 2
+    assert "Lower --batch-size" in capsys.readouterr().err
