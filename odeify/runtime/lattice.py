@@ -336,7 +336,11 @@ def _quantum(x: Tensor) -> Tensor:
     At least the dtype's smallest normal number, so that q and the dtype's values on the
     lattice are exact in it (only an input below 2^(bits - 126) in fp32 gets a coarser lattice).
     """
-    low, high = torch.aminmax(x.detach().flatten(1), dim=1) if x.dim() > 1 else torch.aminmax(x.detach())
+    if x.dim() > 1:  # amax and amin along a dim: 6x faster on the CPU than aminmax along it, NaN alike
+        rows = x.detach().flatten(1)
+        low, high = rows.amin(dim=1), rows.amax(dim=1)
+    else:
+        low, high = torch.aminmax(x.detach())
     magnitude = torch.maximum(high, -low).reshape(-1, *([1] * (x.dim() - 1)))
     _, exponent = torch.frexp(magnitude.double())
     smallest = round(math.log2(torch.finfo(x.dtype).smallest_normal))
