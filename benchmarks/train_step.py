@@ -567,7 +567,7 @@ NOTES = """Reading the numbers:
   and takes its vector-Jacobian product (about two evaluations' work): 8 block evaluations' work
   per block against timm's 3 (forward 1, backward 2), 2.7x on the stages before any overhead. On
   a linear path consecutive steps share one evaluation: 4 against 3 (1.33x), plus the lattice's
-  float64 arithmetic (the profile's 'lattice arithmetic', about 1 s per resnet50 step) and the
+  float64 arithmetic (the profile's 'lattice arithmetic', where --profile gives one) and the
   segments' recompute.
 - resnet152's random-weight layer3 (35 blocks, so 35 reversible-Heun steps of size 1) grows the
   reversible state to 2^40 times its input at native steps, past the lattice's exact range (2^26
