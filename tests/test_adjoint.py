@@ -36,7 +36,7 @@ from odeify.numerics.schemes import (
 )
 from odeify.runtime import adjoint, rerun, reversible
 from odeify.runtime import stage as runtime_stage
-from odeify.runtime.lattice import Lattice
+from odeify.runtime.lattice import Lattice, lattice_bits
 
 FP64_TOL = {"checkpoint": 1e-12, "reversible": 1e-10}
 """Relative gradient error allowed vs backprop in float64, where both are exact to round-off."""
@@ -657,6 +657,27 @@ def test_the_outputs_residual_is_int16_at_the_edge_unless_a_tie_reaches_it() -> 
         assert torch.equal(residual.double(), y - out.double() / grid.quantum), "what fp32 rounding left"
         rebuilt = grid.unpack(out, (residual, d), ReversibleHeun())
         assert torch.equal(rebuilt[0], y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_lattice_spacing_is_each_samples_own_power_of_two(dtype) -> None:
+    """q per sample is 2^(e - bits) for max|x| in [2^(e-1), 2^e), at least the dtype's smallest normal,
+    and depends on that sample alone: checked against Python's frexp on each sample's largest value,
+    with samples from a 1e-30 scale (clamped in fp32) to 1e30, a zero one, and a NaN one beside them."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1e-30, 3e-5, 1.0, 1e30, 0.0, 1.0], dtype=torch.float64).view(6, 1, 1, 1)
+    x = (torch.randn(6, 3, 4, 5, generator=g, dtype=torch.float64) * scales).to(dtype)
+    x[2, 1, 2, 3] = -(2.0**7)  # a negative largest magnitude, exactly a power of two
+    x[5, 0, 0, 0] = float("nan")
+    quantum = Lattice(x, Fraction(1, 2)).quantum
+    smallest = math.frexp(torch.finfo(dtype).smallest_normal)[1] - 1
+    for sample in range(5):
+        largest = max(abs(v) for v in x[sample].double().flatten().tolist())
+        exponent = math.frexp(largest)[1] if largest else 0  # frexp: largest = m 2^e, 1/2 <= m < 1
+        want = 2.0 ** max(exponent - lattice_bits(dtype), smallest)
+        assert quantum[sample].item() == want, (sample, largest)
+    alone = Lattice(x[:5], Fraction(1, 2)).quantum  # without the NaN sample: the same spacings
+    assert torch.equal(alone, quantum[:5]) and quantum.shape == (6, 1, 1, 1)
 
 
 @pytest.mark.parametrize("half", [Fraction(1, 2), Fraction(1, 8), Fraction(1), Fraction(1, 3)])
