@@ -354,6 +354,22 @@ def test_eval_matches_an_independent_accuracy(
     assert data["seconds_per_batch"] > 0
 
 
+def test_eval_says_what_a_depth_multiplier_became(
+    converted_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """x0.1 of stages of 4 and 3 blocks rounds to 0 steps each: eval clamps both to one step and says
+    so, as convert and retarget do, beside the per-stage steps it ran; a step count says nothing more."""
+    depths = [s.depth for s in odeify.converted_stages(odeify.load(converted_file))]
+    assert depths == [4, 3]
+    assert main(["eval", str(converted_file), "--data", "digits", "--steps", "x0.1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["nfe"] == 2
+    assert "steps x0.1: 7 blocks -> 2 steps in all" in captured.err
+    assert "clamped to one step" in captured.err and "4 -> 1" in captured.err and "3 -> 1" in captured.err
+    assert main(["eval", str(converted_file), "--data", "digits", "--steps", "2", "--json"]) == 0
+    assert "steps x" not in capsys.readouterr().err
+
+
 def test_sweep_table_and_plot(
     converted_file: Path, source: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -284,12 +284,14 @@ def run_eval(args: argparse.Namespace) -> int:
     model, name = in_manifestation(args)
     loader, read = val_batches(args, model)
     result = evaluate(model.to(chosen_device(args)), loader, max_batches=args.max_batches)
+    report = describe(model)
+    if args.steps is not None:  # what '--steps x0.25' became, as convert and retarget say it
+        _note_multiplier(report)
     if args.json:
         print(json.dumps({"model": name, "data": args.data, "read": read, **result.to_dict()}, indent=2))
         return 0
     stages = ", ".join(
-        f"{s.name}: {s.integrator} x{s.steps}, {plural(s.knots, 'knot')} {s.basis}"
-        for s in describe(model).stages
+        f"{s.name}: {s.integrator} x{s.steps}, {plural(s.knots, 'knot')} {s.basis}" for s in report.stages
     )
     print(
         f"{name} on {read} ({result.samples} samples): accuracy {result.accuracy:.2%}, "
