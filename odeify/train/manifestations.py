@@ -101,6 +101,7 @@ def for_training(
     for several ``depths`` (``Recipe.depths``) keeps the model's integrator: ALF runs only at
     multiples of its knots.
     """
+    reversible = None
     if (
         backward is None
         and depths is None
@@ -109,16 +110,15 @@ def for_training(
         and at_source_manifestation(model)
         and _reversible_pays(model)
     ):
-        reversible = None
         with contextlib.suppress(ConfigError):  # a stage ALF cannot run (a split stage): as below
             reversible = retarget(model, **MEMORY_FREE_DEFAULT)
-        if reversible is not None:
-            if probe is None:
-                return reversible
-            return _lower_peak(reversible, retarget(model, backward=memory_free_backward(model)), probe)
+        if reversible is not None and probe is None:
+            return reversible
     integrator = settings.get("integrator")
     mode = backward if backward is not None else memory_free_backward(model, integrator)
-    return retarget(model, backward=mode, **settings)
+    model = retarget(model, backward=mode, **settings)
+    # reversible is still held only with a probe: measure it against the mode it would replace
+    return model if reversible is None else _lower_peak(reversible, model, probe)
 
 
 def _lower_peak(reversible: fx.GraphModule, checkpointed: fx.GraphModule, probe: StepProbe) -> fx.GraphModule:
