@@ -29,6 +29,7 @@ from torch import nn
 from odeify.core.dtypes import model_dtype
 from odeify.core.errors import TraceError
 from odeify.passes.contract import PassResult, analysis, graph_pass, transformation
+from odeify.passes.devices import read_input_device, tracing_device
 from odeify.passes.graph_utils import live_nodes
 from odeify.passes.properties import SHAPES
 
@@ -82,13 +83,14 @@ TRACE = transformation("trace")
 @graph_pass(TRACE)
 def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> PassResult:
     """Symbolically trace ``model`` into a new graph module; on failure say which code FX choked on
-    and what to do."""
+    and what to do. A device read while tracing runs on the input's device (:mod:`odeify.passes.devices`)."""
     tracer = ResidualTracer(extra_leaves)
     try:
         graph = tracer.trace(model, concrete_args=optional_defaults(model) or None)
     except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
         raise TraceError(_untraceable_message(model, exc)) from exc
     _drop_unused_inputs(graph)
+    read_input_device(graph, tracing_device(model))
     name = type(model).__name__
     return PassResult(fx.GraphModule(tracer.root, graph, name), modified=True)
 

@@ -116,7 +116,10 @@ def recipe_of(model: nn.Module, probe: dict[str, Any] | None = None) -> Recipe:
     """The recipe of a converted model (its current manifestation, head size and dtype)."""
     record = getattr(model, "meta", {}).get(META) if isinstance(model, fx.GraphModule) else None
     stages = [m for m in model.modules() if isinstance(m, ODEStage)] if isinstance(model, nn.Module) else []
-    if not isinstance(record, Mapping) or "input_shape" not in record or not stages:
+    converted = isinstance(record, Mapping) and "input_shape" in record
+    if converted and not stages:
+        raise ModelLoadError(_no_stage_message(record, record.get("name") or type(model).__name__))
+    if not converted:
         what = type(model).__name__
         raise ModelLoadError(
             f"odeify.save takes a model made by odeify.convert/retarget/load; this {what} "
@@ -138,6 +141,19 @@ def recipe_of(model: nn.Module, probe: dict[str, Any] | None = None) -> Recipe:
         whole_model=has_segments(model),
         probe=probe,
         steps_multiplier=_multiplier_asked(record, stages),
+    )
+
+
+def _no_stage_message(record: Mapping[str, Any], name: str) -> str:
+    """Why a converted model without ODE stages has nothing to save, with the reasons convert recorded."""
+    reasons = record.get("not_lifted") or {}
+    why = " (" + "; ".join(f"{run}: {reason}" for run, reason in reasons.items()) + ")" if reasons else ""
+    return (
+        f"odeify.save refuses this {name}: it was converted, but no run of its residual blocks could be "
+        f"lifted into an ODE stage{why}, so it has no ODE stages and computes what its source does. A file "
+        "of it would hold nothing the source does not: use and save the source model itself. A run becomes "
+        "a stage once its reason is gone (a module kept opaque as an fx leaf, by timm's registry or "
+        "leaf_modules, has to be traced through); then convert again."
     )
 
 

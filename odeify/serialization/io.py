@@ -142,7 +142,9 @@ def _refuse_other_classifier(model: nn.Module, recipe: Recipe, target: Path) -> 
 
     A classifier replaced after conversion (``model.fc = nn.Linear(..., bias=False)``, another class
     count set by hand) is not in the recipe, so load would build another one and refuse the file;
-    ``reset_classifier`` records what it changes.
+    ``reset_classifier`` records what it changes. Compared: the module at the classifier's name in
+    both (``head.head.l``, a Linear, in iFormer), not the rebuilt source's ``get_classifier()``, which
+    may be the whole head around it (iFormer's RepVitClassifier, its norm included).
     """
     if recipe.arch is None or not isinstance(model, ConvertedModel):
         return
@@ -150,7 +152,7 @@ def _refuse_other_classifier(model: nn.Module, recipe: Recipe, target: Path) -> 
         name, head = model.meta[META_TIMM]["classifier"], model.get_classifier()
     except (KeyError, OdeifyError):  # no single named classifier: the rebuilt graph decides
         return
-    rebuilt = build_arch(recipe.arch["name"], recipe.arch["kwargs"], device="meta").get_classifier()
+    rebuilt = build_arch(recipe.arch["name"], recipe.arch["kwargs"], device="meta").get_submodule(name)
     if _tensor_shapes(head) != _tensor_shapes(rebuilt):
         raise _refused(
             target,
