@@ -43,6 +43,7 @@ from odeify.passes.graph_utils import (
 )
 from odeify.passes.properties import BLOCKS, RUNS, STAGE_CALLS
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
+from odeify.passes.tracing import opaque_weights_reason
 
 LIFT_RUNS = transformation(
     "lift_runs",
@@ -281,10 +282,7 @@ class _TemplateBuilder:
         owner = next(i for i, p in enumerate(peers) if p is not None)
         peer_modules = [self.modules[p.target] if p is not None else nn.Identity() for p in peers]
         if any(True for _ in peer_modules[owner].parameters()):
-            raise NotLiftable(
-                f"module '{peers[owner].target}' ({type(peer_modules[owner]).__name__}) has parameters but "
-                "is an fx leaf, so its weights cannot be interpolated; fold it or trace through it"
-            )
+            raise NotLiftable(opaque_weights_reason(peers[owner].target, peer_modules[owner]))
         target = _relative(peers[owner].target, self.scopes[owner])
         if self.template_modules.get(target, peer_modules[owner]) is not peer_modules[owner]:
             target = unique_name(target, self.template_modules)

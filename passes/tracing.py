@@ -30,7 +30,7 @@ from odeify.core.dtypes import model_dtype
 from odeify.core.errors import TraceError
 from odeify.passes.contract import PassResult, analysis, graph_pass, transformation
 from odeify.passes.devices import read_input_device, tracing_device
-from odeify.passes.graph_utils import live_nodes
+from odeify.passes.graph_utils import data_nodes, is_add_join, live_nodes
 from odeify.passes.properties import SHAPES
 
 TRACE_THROUGH: tuple[type[nn.Module], ...] = (
@@ -88,7 +88,7 @@ def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> Pas
     try:
         graph = tracer.trace(model, concrete_args=optional_defaults(model) or None)
     except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
-        raise TraceError(_untraceable_message(model, exc)) from exc
+        raise TraceError(_untraceable_message(model, exc, extra_leaves)) from exc
     _drop_unused_inputs(graph)
     read_input_device(graph, tracing_device(model))
     name = type(model).__name__
@@ -125,25 +125,88 @@ def _drop_unused_inputs(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _untraceable_message(model: nn.Module, exc: Exception) -> str:
+def _untraceable_message(
+    model: nn.Module, exc: Exception, extra_leaves: Sequence[type[nn.Module]] = ()
+) -> str:
     where = _innermost_module_frame(exc, model)
-    location = f" in module '{where[0]}' ({where[1]})" if where else ""
+    location = f" in module '{where[0]}' ({type(where[1]).__name__})" if where else ""
     return (
         f"torch.fx could not trace {type(model).__name__}{location}: {type(exc).__name__}: {exc}. "
         "This usually means data-dependent Python control flow (an `if` or loop on tensor values) "
-        "or a call FX cannot symbolize. Keep that module opaque by passing its class as a leaf, "
-        "e.g. odeify.analyze(model, leaf_modules=[ThatModule]) or `--leaf ThatModule` on the CLI; "
-        "a leaf cannot be part of an ODE stage's weights, but the rest of the model still converts."
+        f"or a call FX cannot symbolize. {_leaf_advice(model, where, extra_leaves)}"
     )
 
 
-def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, str] | None:
-    """The deepest submodule whose forward appears in the traceback, as (qualified name, class)."""
+_LEAF_TRIES = 3
+"""How many module classes :func:`_leaf_advice` makes leaves, one per failed trace, before giving up."""
+
+
+def _leaf_advice(
+    model: nn.Module, where: tuple[str, nn.Module] | None, extra_leaves: Sequence[type[nn.Module]]
+) -> str:
+    """A ``leaf_modules`` suggestion checked by tracing the model with it, or why none is made.
+
+    Each try makes the module the trace failed in a leaf and traces again (up to :data:`_LEAF_TRIES`
+    classes). A suggestion is made only when the trace then succeeds and still has adds of two
+    tensors computed from the input for odeify to read as residual blocks: making a model's encoder
+    a leaf (Gemma 4's ViT branches in the encoder's own forward) traces, but hides every block.
+    """
+    leaves = list(extra_leaves)
+    while where is not None and where[0] != "<root>" and len(leaves) < len(extra_leaves) + _LEAF_TRIES:
+        leaves.append(type(where[1]))
+        try:
+            graph = ResidualTracer(leaves).trace(model, concrete_args=optional_defaults(model) or None)
+        except Exception as exc:  # the next module fx chokes on, if any
+            where = _innermost_module_frame(exc, model)
+            continue
+        names = ", ".join(cls.__name__ for cls in leaves)
+        adds = _input_adds(graph)
+        if adds == 0:
+            added = ", ".join(cls.__name__ for cls in leaves[len(extra_leaves) :])
+            return (
+                f"Keeping {added} opaque does not help: traced with leaf_modules=[{names}], the model keeps "
+                "no add of two tensors computed from the input (the leaves hold every residual block), so "
+                "odeify would find nothing to turn into an ODE stage. odeify cannot convert this model as "
+                "it is."
+            )
+        flags = " ".join(f"--leaf {cls.__name__}" for cls in leaves)
+        return (
+            f"Keep that code opaque with leaf_modules=[{names}] (odeify.convert(model, leaf_modules="
+            f"[{names}]), or `{flags}` on the CLI): traced so, the model keeps {adds} adds of two tensors "
+            "computed from the input for odeify to read as residual blocks; a leaf's weights stay "
+            "outside the ODE stages."
+        )
+    tried = f" with leaf_modules=[{', '.join(c.__name__ for c in leaves)}]" if leaves else ""
+    if where is not None and where[0] == "<root>":
+        return (
+            f"The trace fails{tried} in the model's own forward, which no leaf module can hide: odeify "
+            "cannot trace this model as it is."
+        )
+    if where is None:
+        return f"The trace fails{tried} in code outside any module's forward, which no leaf module can hide."
+    return (
+        f"The trace still fails{tried}, in module '{where[0]}' ({type(where[1]).__name__}); no leaf "
+        f"list of at most {_LEAF_TRIES} more classes was found that traces."
+    )
+
+
+def _input_adds(graph: fx.Graph) -> int:
+    """Adds of two tensors computed from the input that reach the output: candidate residual joins."""
+    data, live = data_nodes(graph), live_nodes(graph)
+    return sum(
+        1
+        for n in graph.nodes
+        if is_add_join(n) and n.name in live and all(a.name in data for a in n.all_input_nodes)
+    )
+
+
+def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The deepest submodule whose forward appears in the traceback, as (qualified name, module)."""
     by_code = {}
     for qualified, sub in model.named_modules():
         code = getattr(type(sub).forward, "__code__", None)
         if code is not None:
-            by_code.setdefault(code, (qualified or "<root>", type(sub).__name__))
+            by_code.setdefault(code, (qualified or "<root>", sub))
     found = None
     tb = exc.__traceback__
     while tb is not None:
@@ -152,6 +215,51 @@ def _innermost_module_frame(exc: Exception, model: nn.Module) -> tuple[str, str]
             found = hit
         tb = tb.tb_next
     return found
+
+
+def opaque_weights_reason(path: str, module: nn.Module) -> str:
+    """Why a leaf module that holds parameters keeps its run from being lifted, and what would help.
+
+    Its weights are not ``get_attr`` nodes a stage can take per block, so the run stays discrete.
+    Whether anything helps is checked here, by tracing the module's own forward with the
+    module's class not a leaf: only a module that then traces, with no weights left in a leaf
+    inside, could become part of a stage, and only a user's ``leaf_modules`` entry can be dropped.
+    """
+    cls = type(module)
+    if cls in _timm_leaves()[0]:
+        why = f"timm registers {cls.__name__} as a module fx must not trace into"
+    elif cls.__module__.startswith("torch.nn"):
+        kept = ", ".join(t.__name__ for t in TRACE_THROUGH)
+        why = f"odeify traces into the torch.nn layers {kept} alone and keeps torch.nn's {cls.__name__} whole"
+    else:
+        why = f"{cls.__name__} is in leaf_modules"
+    lead = (
+        f"module '{path}' ({cls.__name__}) holds parameters but is one opaque call in the trace ({why}), "
+        "so a stage cannot take its weights; the run stays discrete layers. "
+    )
+    try:
+        inner = ResidualTracer().trace(module, concrete_args=optional_defaults(module) or None)
+    except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
+        return lead + f"fx cannot trace {cls.__name__}'s forward ({type(exc).__name__}), so nothing lifts it."
+    inside = [module.get_submodule(n.target) for n in inner.nodes if n.op == "call_module"]
+    held = sorted(
+        {
+            type(sub).__name__
+            for sub in inside  # a BatchNorm is folded before lifting: its weights are no obstacle
+            if not isinstance(sub, nn.modules.batchnorm._BatchNorm) and any(True for _ in sub.parameters())
+        }
+    )
+    if held:
+        return lead + (
+            f"Traced through, {cls.__name__} would still keep {', '.join(held)} whole, weights and all, "
+            "so nothing lifts it."
+        )
+    if why.endswith("leaf_modules"):
+        return lead + (
+            f"{cls.__name__}'s forward traces on its own with every weight visible: leave it out of "
+            "leaf_modules to let the run lift."
+        )
+    return lead + f"{cls.__name__}'s forward would trace, but odeify has no option to trace into it."
 
 
 ANNOTATE_SHAPES = analysis("annotate_shapes", ensures={SHAPES})

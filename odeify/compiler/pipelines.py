@@ -17,11 +17,17 @@ plus :data:`TRACE_SHAPES` and :data:`ANALYZE_GRAPH`, the first two parts of ANAL
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+from pathlib import Path
+
 from odeify.compiler.pipeline import Job, Pipeline, Step
 from odeify.compiler.record import record_conversion
 from odeify.core.errors import NoResidualBlocksError
 from odeify.ir.plan import Plan, Run
 from odeify.models.timm_interface import META_TIMM
+from odeify.passes.add_census import add_census
 from odeify.passes.contract import PassResult
 from odeify.passes.fold_bn import fold_batchnorm
 from odeify.passes.head import mark_head
@@ -36,7 +42,15 @@ from odeify.passes.tracing import annotate_shapes, trace
 from odeify.runtime.split_stage import SplitStage
 from odeify.runtime.stage import ODEStage
 
-__all__ = ["ANALYZE", "ANALYZE_GRAPH", "CONVERT", "PIPELINES", "REMANIFEST", "TRACE_SHAPES"]
+__all__ = [
+    "ANALYZE",
+    "ANALYZE_GRAPH",
+    "CONVERT",
+    "PIPELINES",
+    "REMANIFEST",
+    "TRACE_SHAPES",
+    "NotLiftedWarning",
+]
 
 
 def _model_of(job: Job) -> tuple:
@@ -58,13 +72,16 @@ def _graph_and_blocks(job: Job) -> tuple:
 def _keep_plan(job: Job, result: PassResult) -> None:
     runs, discrete = result.value
     if not runs:
-        blocks = job.blocks
-        found = f"{len(blocks)} projection blocks but no identity block" if blocks else "no residual add"
+        census = add_census(job.gm, job.blocks)
+        plain = (
+            " Plain feed-forward nets (VGG, nn.Sequential stacks) have no such blocks."
+            if census.residual == 0
+            else ""
+        )
         raise NoResidualBlocksError(
-            f"{job.name} has no residual block odeify can turn into an ODE stage: the graph has {found}. "
+            f"{job.name} has no residual block odeify can turn into an ODE stage: {census.describe()}. "
             "odeify needs identity blocks of the form x + f(x) (optionally followed by an activation) "
-            "with equal input and output shapes, like the blocks of timm's ResNet family. Plain "
-            "feed-forward nets (VGG, nn.Sequential stacks) have no such blocks."
+            f"with equal input and output shapes, like the blocks of timm's ResNet family.{plain}"
         )
     job.plan = Plan(
         model=job.name,
@@ -100,8 +117,53 @@ def _runs_to_lift(job: Job) -> tuple:
     return (job.gm, job.plan.runs, _native_stage)
 
 
+class NotLiftedWarning(UserWarning):
+    """A conversion found runs of residual blocks but lifted some, or all, of them into no ODE stage."""
+
+
 def _keep_lifted(job: Job, result: PassResult) -> None:
     job.gm, job.not_lifted = result.graph_module, result.value
+    if job.not_lifted:
+        _warn_not_lifted(job.name, len(job.plan.runs), job.not_lifted)
+
+
+def _warn_not_lifted(name: str, runs: int, not_lifted: dict[str, str]) -> None:
+    """Say, at the caller's line, which runs stayed discrete layers and why (and what would help).
+
+    Without it a model whose every run was refused converts to one with zero ODE stages and says
+    nothing: the reasons sit only in ``meta["odeify"]["not_lifted"]``.
+    """
+    lifted = runs - len(not_lifted)
+    outcome = (
+        f"{name} converted to a model with zero ODE stages: none of its {_runs(runs)} of residual blocks "
+        "could be lifted, so the converted model is the source network's layers alone, with nothing "
+        "to integrate, retarget or fine-tune as an ODE"
+        if lifted == 0
+        else f"{name} converted with {lifted} of its {_runs(runs)} as ODE stages; "
+        f"{_runs(len(not_lifted))} {'stays' if len(not_lifted) == 1 else 'stay'} discrete layers, computed "
+        "as in the source network"
+    )
+    reasons = " ".join(f"Run '{run}': {why.rstrip('.')}." for run, why in not_lifted.items())
+    warnings.warn(
+        f"odeify: {outcome}. {reasons} (model.meta['odeify']['not_lifted'] keeps these reasons)",
+        NotLiftedWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _runs(n: int) -> str:
+    return f"{n} run{'s' * (n != 1)}"
+
+
+_ODEIFY = str(Path(__file__).parents[1]) + os.sep
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside odeify: the user's ``convert`` or ``load`` line."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_ODEIFY):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _conversion(job: Job) -> tuple:
