@@ -71,6 +71,9 @@ class RunParts:
     variants: dict[str, list[nn.Module]]
     origins: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     """For each slot read from the model's attributes: the attribute path it came from, per block."""
+    inputs: tuple[str, ...] = ()
+    """The stage's constant inputs: nodes outside the run that every block reads alike (a rotary
+    ViT's position table), named as the template's placeholders after ``x``, in their order."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,11 @@ class SplitParts:
 
     fields: tuple[RunParts, ...]
     forms: tuple[str, ...]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Every field's constant inputs, each once, in the order the fields first read them."""
+        return tuple(dict.fromkeys(name for field in self.fields for name in field.inputs))
 
 
 StageFactory = Callable[[Run, RunParts | SplitParts], StageIR]
@@ -116,7 +124,7 @@ def lift_runs(gm: fx.GraphModule, runs: Sequence[Run], make_stage: StageFactory)
         stage = make_stage(run, parts)
         _move_fold_records(gm, stage, parts, run.blocks[0].scope)
         end = run_end(run, {n.name: n for n in gm.graph.nodes}).name
-        call = _replace_run(gm, run, stage_attribute(run), stage)
+        call = _replace_run(gm, run, stage_attribute(run), stage, parts.inputs)
         renamed[end] = call.name
     folds = gm._modules.pop(FOLDS, None)  # the discrete layers' records: read by training, not the graph
     prune_unused_attributes(gm)
@@ -220,7 +228,8 @@ class _TemplateBuilder:
         self.forks = [nodes[b.fork] for b in run.blocks]
         self.scopes = [b.scope for b in run.blocks]
         self.join = nodes[run.blocks[0].join]
-        self.shape_reads = shape_nodes(gm.graph, data_nodes(gm.graph)) if glue else set()
+        self.data = data_nodes(gm.graph)
+        self.shape_reads = shape_nodes(gm.graph, self.data)
         self.graph = fx.Graph()
         self.x = self.graph.placeholder("x")
         # with glue, x is the state where it has its own layout; glue maps it to the block's input
@@ -232,6 +241,7 @@ class _TemplateBuilder:
         self.template_modules: dict[str, nn.Module] = {}
         self.variants: dict[str, list[nn.Module]] = {}
         self.origins: dict[str, list[str]] = {}
+        self.inputs: list[fx.Node] = []  # the template's constant-input placeholders, in order
 
     def build(self, cores: list[list[fx.Node]]) -> RunParts:
         """The template: each core node of the first block, lifted with its peers in the others."""
@@ -263,7 +273,8 @@ class _TemplateBuilder:
                 e[p] = new
         graph.output((branch_operand, self.env[0][cores[0][-1]]))
         template = fx.GraphModule(self.template_modules, graph, f"{stage_attribute(run)}_template")
-        return RunParts(template, self.slots, self.tensors, self.variants, self.origins)
+        inputs = tuple(node.name for node in self.inputs)
+        return RunParts(template, self.slots, self.tensors, self.variants, self.origins, inputs)
 
     def new_slot(self, base: str, kind: str, values: list[torch.Tensor]) -> fx.Node:
         name = unique_name(slot_name(base), self.tensors)
@@ -271,10 +282,34 @@ class _TemplateBuilder:
         self.tensors[name] = (
             values[0].detach().clone() if kind == "shared" else torch.stack([v.detach() for v in values])
         )
-        anchor = self.slot_nodes[self.slots[-2].name] if len(self.slots) > 1 else self.x
+        anchor = (
+            self.slot_nodes[self.slots[-2].name] if len(self.slots) > 1 else (self.inputs or [self.x])[-1]
+        )
         with self.graph.inserting_after(anchor):
             placeholder = self.graph.placeholder(name)
         self.slot_nodes[name] = placeholder
+        return placeholder
+
+    def constant_input(self, node: fx.Node) -> fx.Node:
+        """A placeholder for ``node``, read alike by every block from outside the run: a stage input.
+
+        It comes after ``x`` and before the slots, named as ``node`` (the stage call passes ``node``
+        there). Only a value that needs no gradient can be one: the memory-saving backward modes
+        re-run the stage with it as a constant.
+        """
+        trainable = [w.target for w in _attributes_read(node) if _is_trainable(fetch_attr(self.gm, w.target))]
+        if trainable:
+            raise NotLiftable(
+                f"every block reads '{node.name}', computed outside the run from the trainable "
+                f"{', '.join(trainable)}: a stage takes only constant inputs"
+            )
+        with self.graph.inserting_after((self.inputs or [self.x])[-1]):
+            placeholder = self.graph.placeholder(node.name)
+        if placeholder.name != node.name:
+            raise NotLiftable(f"the block template already has a node named '{node.name}'")
+        self.inputs.append(placeholder)
+        for e in self.env:
+            e[node] = placeholder
         return placeholder
 
     def add_module(self, peers: list[fx.Node | None]) -> str:
@@ -334,8 +369,8 @@ class _TemplateBuilder:
         first, env = values[0], self.env
         if first in env[0]:
             return env[0][first]
-        if first.name in self.shape_reads:  # the glue's x.shape[0]: read on the template's state
-            return self._copy_in_step(values, None)
+        if first.name in self.shape_reads and self._reads_state(first):
+            return self._copy_in_step(values, None)  # x.shape[0] of the block's or the glue's state
         if first.op == "get_attr":
             key = ("attr", first.name)
             if key not in env[0]:
@@ -346,7 +381,22 @@ class _TemplateBuilder:
                 for e, v in zip(env[1:], values[1:], strict=True):
                     e[("attr", v.name)] = env[0][key]
             return env[0][key]
+        if first.name not in self.data and all(v is first for v in values):
+            return self.constant_input(first)
         raise NotLiftable(f"block reads '{first.name}', computed outside the block")
+
+    def _reads_state(self, node: fx.Node) -> bool:
+        """``node`` is computed from shape reads of values the template holds (its state, the glue's)."""
+        stack, seen = [node], set()
+        while stack:
+            current = stack.pop()
+            if current in self.env[0] or current in seen:
+                continue
+            seen.add(current)
+            if current.name in self.data:
+                return False
+            stack.extend(current.all_input_nodes)
+        return True
 
     def lift_arg(self, values: list, path: str):
         first = values[0]
@@ -479,6 +529,27 @@ def _check_contained(run: Run, members: set[str], nodes: dict[str, fx.Node], liv
             raise NotLiftable(f"'{name}' inside the run is also read by {', '.join(outside)} outside it")
 
 
+def _attributes_read(node: fx.Node) -> list[fx.Node]:
+    """The ``get_attr`` nodes that ``node`` is computed from, transitively (not through shape reads)."""
+    found: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "get_attr":
+            found.append(current)
+        if not is_metadata_query(current):  # x.shape reads no tensor of x's
+            stack.extend(current.all_input_nodes)
+    return found
+
+
+def _is_trainable(value: object) -> bool:
+    return isinstance(value, nn.Parameter) and value.requires_grad
+
+
 def _tensor_slot(new_slot, relative: str, values: list[torch.Tensor]) -> fx.Node:
     if isinstance(values[0], nn.Parameter) and values[0].requires_grad:
         return new_slot(relative, "param", values)
@@ -499,14 +570,16 @@ def _relative(target: str, scope: str) -> str:
     return target[len(scope) + 1 :] if scope and target.startswith(scope + ".") else target
 
 
-def _replace_run(gm: fx.GraphModule, run: Run, attribute: str, stage: StageIR) -> fx.Node:
-    """Swap the run's nodes for one ``call_module`` of the stage."""
+def _replace_run(
+    gm: fx.GraphModule, run: Run, attribute: str, stage: StageIR, inputs: Sequence[str]
+) -> fx.Node:
+    """Swap the run's nodes for one ``call_module`` of the stage, given its state and constant ``inputs``."""
     nodes = {n.name: n for n in gm.graph.nodes}
     gm.add_submodule(attribute, stage)
     fork = nodes[run.blocks[0].fork]
     last = run_end(run, nodes)
     with gm.graph.inserting_before(last):
-        call = gm.graph.call_module(attribute, (fork,))
+        call = gm.graph.call_module(attribute, (fork, *(nodes[name] for name in inputs)))
     tag(call, stage=run.name, role="stage")
     call.meta["tensor_meta"] = last.meta.get("tensor_meta")
     last.replace_all_uses_with(call)

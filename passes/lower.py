@@ -53,7 +53,8 @@ def lower_stages(gm: fx.GraphModule) -> PassResult:
         if stage.backward != "backprop":
             continue
         with gm.graph.inserting_before(node):
-            out = write_stage(StageWriter(stage, gm.graph, node.target), node.args[0])
+            inputs = dict(zip(stage.inputs, node.args[1:], strict=True))
+            out = write_stage(StageWriter(stage, gm.graph, node.target, inputs=inputs), node.args[0])
         out.meta["tensor_meta"] = node.meta.get("tensor_meta")
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
@@ -72,13 +73,14 @@ def raise_stages(gm: fx.GraphModule) -> PassResult:
         if not members:
             continue  # already a single call (non-backprop stage)
         inside = set(members)
-        inputs = {a for n in members for a in n.all_input_nodes if a not in inside}
+        inputs = {a.name: a for n in members for a in n.all_input_nodes if a not in inside}
+        constants = [inputs.pop(name, None) for name in gm.get_submodule(attribute).inputs]
         outputs = [n for n in members if any(u not in inside for u in n.users)]
-        if len(inputs) != 1 or len(outputs) != 1:
+        if len(inputs) != 1 or len(outputs) != 1 or None in constants:
             raise RuntimeError(f"stage '{stage_name}' is not a single-entry, single-exit region of the graph")
-        (x,), (out,) = tuple(inputs), outputs
+        (x,), (out,) = tuple(inputs.values()), outputs
         with gm.graph.inserting_before(out):
-            call = gm.graph.call_module(attribute, (x,))
+            call = gm.graph.call_module(attribute, (x, *constants))
         tag(call, stage=stage_name, role="stage")
         call.meta["tensor_meta"] = out.meta.get("tensor_meta")
         out.replace_all_uses_with(call)

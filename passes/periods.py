@@ -143,7 +143,7 @@ def _split(
         end = start + period * reps
         if reps == 1:
             return Group((stretch[start],))
-        trailing = links[end - 1] if glues[end - 1] == glues[start + period - 1] else ()
+        trailing = _period_glue(links[end - 1], glues[end - 1], glues[start + period - 1], end == n)
         glue = tuple(node.name for link in (*links[start : end - 1], trailing) for node in link)
         found = Group(tuple(stretch[start:end]), period, glue)
         last = trailing[-1].name if trailing else stretch[end - 1].output
@@ -179,6 +179,17 @@ def _split(
         groups.append(first)
         start += len(first.blocks)
     return groups
+
+
+def _period_glue(link: tuple[fx.Node, ...], found: tuple, period: tuple, last: bool) -> tuple[fx.Node, ...]:
+    """The glue a run ending at ``link`` takes: the link when it is the glue between its periods
+    (``found == period``, signatures); after the stretch's last block, also the link's first nodes
+    when they are that glue (SAM reshapes its tokens back, then its neck permutes them)."""
+    if found == period:
+        return link
+    if last and period and found[: len(period)] == period:
+        return link[: len(period)]
+    return ()
 
 
 def _trailing_glue(block: Block, g: _Graph) -> tuple[fx.Node, ...]:

@@ -65,6 +65,7 @@ def find_blocks(gm: fx.GraphModule) -> PassResult:
             continue  # fork is a tuple (Res2Net's split) or the virtual root
         region = _region(dg, fork.name, join.name)
         expressions = {w.name for name in region for w in weight_expressions(nodes[name], data)}
+        expressions -= _side_inputs(region, expressions & shapes, fork, nodes, live, data)
         if not _single_entry_exit(region, expressions & shapes, fork, join, nodes, live, data):
             continue
         region |= expressions
@@ -129,6 +130,36 @@ def _single_entry_exit(
             if user.name not in owned and user is not join and user.name in live:
                 return False
     return True
+
+
+def _side_inputs(
+    region: set[str],
+    shape_reads: set[str],
+    fork: fx.Node,
+    nodes: dict[str, fx.Node],
+    live: set[str],
+    data: set[str],
+) -> set[str]:
+    """The region's shape expressions that nodes outside the block read too, computed from no shape
+    of the block's own nodes: inputs the block reads, not part of it.
+
+    A rotary ViT computes its position table once from the patch grid's shape (``H, W`` of the
+    patch embedding) and every attention half reads it: the same for every block, a lifted stage
+    takes it as a constant input. SAM's ``B, H, W, C = x.shape`` of a block's input is read again by
+    the reshapes after the block: a template reads it on its own ``x``. The expressions such a value
+    is computed from go with it. Shape reads of the block's own nodes stay the block's, as before.
+    """
+    owned = region | shape_reads
+    shared = {
+        name for name in shape_reads if any(u.name not in owned and u.name in live for u in nodes[name].users)
+    }
+    side: set[str] = set()
+    for name in shared:
+        chain = {name} | {w.name for w in weight_expressions(nodes[name], data)}
+        reads = {inp.name for c in chain for inp in nodes[c].all_input_nodes if inp.name in data}
+        if not reads & region:
+            side |= chain
+    return side
 
 
 MUL_TARGETS = {operator.mul, torch.mul}

@@ -27,6 +27,7 @@ from odeify.ir.plan import Block, Discrete, Run
 from odeify.passes.contract import PassResult, analysis, graph_pass
 from odeify.passes.graph_utils import (
     common_prefix,
+    data_nodes,
     describe_arg,
     describe_target,
     fetch_attr,
@@ -38,6 +39,9 @@ from odeify.passes.periods import find_periods
 from odeify.passes.properties import BLOCKS, RUNS
 
 GROUP_RUNS = analysis("group_runs", requires={BLOCKS}, ensures={RUNS})
+SHAPE_DEPTH = 8
+"""How many calls deep a block's signature describes a value it reads from outside that is no data
+(a shape read of its input, which the block shares with the reshapes after it); deeper, by name."""
 
 
 def block_node_list(block: Block, nodes: dict[str, fx.Node]) -> list[fx.Node]:
@@ -82,8 +86,9 @@ def block_signature(block: Block, gm: fx.GraphModule) -> tuple:
     members = {n.name for n in block_node_list(block, nodes)}
     core = core_nodes(block, nodes, modules)
     position = {n.name: i for i, n in enumerate(core)}
+    data = data_nodes(gm.graph)
 
-    def refer(arg: fx.Node) -> tuple:
+    def refer(arg: fx.Node, depth: int = 0) -> tuple:
         arg, _ = pass_through_source(arg, members, modules)
         if arg.name == block.fork:
             return ("x",)
@@ -93,6 +98,9 @@ def block_signature(block: Block, gm: fx.GraphModule) -> tuple:
             value = fetch_attr(gm, arg.target)
             if isinstance(value, torch.Tensor):
                 return ("attr", tuple(value.shape), str(value.dtype))
+        elif arg.name not in data and depth < SHAPE_DEPTH:  # SAM's H = x.shape[1], read outside too
+            args = describe_arg(arg.args, lambda a: refer(a, depth + 1))
+            return ("shape", describe_target(arg, modules), args)
         return ("outside", arg.name)
 
     signature = [

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from odeify.ir.meta import tag
-from odeify.ir.stage_ir import Slot, StageIR
+from odeify.ir.stage_ir import Slot, StageIR, template_inputs
 from odeify.numerics.schemes import Add, Evaluate, Op, Reflect, ReversibleScheme
 from odeify.numerics.tableaus import TABLEAUS, Splitting, Tableau
 
@@ -36,6 +36,7 @@ class StageWriter:
     owner is the stage itself). ``knot_inputs`` maps slot names to nodes holding the stacked knots:
     placeholders in a step graph; by default get_attr nodes of the stage's own stacks, emitted at
     the graph's insertion point. ``window`` says which knots those stacks hold (all unless given).
+    ``inputs`` maps the stage's constant inputs (:attr:`StageIR.inputs`) to the nodes holding them.
     ``used_knots`` collects the knots read.
     """
 
@@ -46,8 +47,10 @@ class StageWriter:
         prefix: str,
         knot_inputs: dict[str, fx.Node] | None = None,
         window: slice | None = None,
+        inputs: dict[str, fx.Node] | None = None,
     ):
         self.stage = stage
+        self.inputs = inputs or {}
         self.graph = graph
         self.prefix = f"{prefix}." if prefix else ""
         self.tag = stage.stage_name.replace(".", "_")
@@ -166,11 +169,16 @@ class StageWriter:
         """Inline the template at time ``t``: returns (branch f(y), block output); names end in ``tag``."""
         weights = iter(self.weights(t, left))
         variant = self.stage.variant_index(t, left)
+        template = self.stage.template
+        constant = set(template_inputs(template, len(self.stage.slots)))
         env: dict[fx.Node, fx.Node] = {}
         result = None
-        for tnode in self.stage.template.graph.nodes:
+        for tnode in template.graph.nodes:
             if tnode.op == "placeholder":
-                env[tnode] = y if not env else next(weights)
+                if not env:
+                    env[tnode] = y
+                else:
+                    env[tnode] = self.inputs[tnode.name] if tnode.name in constant else next(weights)
             elif tnode.op == "output":
                 result = fx.map_arg(tnode.args[0], env.__getitem__)
             else:
@@ -254,6 +262,7 @@ def field_writers(w: StageWriter) -> list[StageWriter]:
                 w.prefix.removesuffix("."),
                 {s.name: w.knot_inputs[s.name] for s in view.slots if s.kind != "shared"},
                 w.window,
+                w.inputs,
             )
             for view in w.stage.field_views()
         ]
@@ -495,7 +504,8 @@ class StepGraph:
     """A graph module built for a stage to run by itself, with what its runner must know.
 
     Its inputs are the state, then each knot stack's rows ``knot_window`` (the rows it reads; see
-    :func:`odeify.runtime.rerun.knot_window_inputs`); ``evaluations`` counts its field evaluations.
+    :func:`odeify.runtime.rerun.knot_window_inputs`), then the stage's constant inputs
+    (:attr:`StageIR.inputs`); ``evaluations`` counts its field evaluations.
     """
 
     module: fx.GraphModule
@@ -605,8 +615,9 @@ def _write_graph(
 ) -> tuple[fx.Graph, StageWriter]:
     graph = fx.Graph()
     placeholders = [graph.placeholder(s) for s in state]
-    inputs = {s.name: graph.placeholder(s.name) for s in stage.slots if s.kind != "shared"}
-    writer = StageWriter(stage, graph, "", inputs, window)
+    knots = {s.name: graph.placeholder(s.name) for s in stage.slots if s.kind != "shared"}
+    constants = {name: graph.placeholder(name) for name in stage.inputs}
+    writer = StageWriter(stage, graph, "", knots, window, constants)
     out = write(writer, *placeholders)
     graph.output(out)
     writer.sink_weights()

@@ -173,6 +173,12 @@ class StageIR(nn.Module):
         return any(may_draw_random(m) for m in [*self.template.modules(), *self.variants.modules()])
 
     @property
+    def inputs(self) -> tuple[str, ...]:
+        """The names of the stage's constant inputs, which it takes after ``x`` (``stage(x, *inputs)``):
+        values every block of its run read alike from outside it (a rotary ViT's position table)."""
+        return template_inputs(self.template, len(self.slots))
+
+    @property
     def num_knots(self) -> int:
         for slot in self.slots:
             if slot.kind != "shared":
@@ -254,6 +260,13 @@ class StageIR(nn.Module):
 
 
 @lru_cache(maxsize=65536)
+def template_inputs(template: fx.GraphModule, num_slots: int) -> tuple[str, ...]:
+    """A block template's constant inputs: its placeholders between ``x`` (the first) and its
+    ``num_slots`` slots (the last), as lifting orders them."""
+    names = [node.name for node in template.graph.nodes if node.op == "placeholder"]
+    return tuple(names[1 : len(names) - num_slots])
+
+
 def _row(basis: str, knots: int, t: Fraction, left: bool) -> tuple[Fraction, ...]:
     """Exact basis coefficients, computed once per (basis, knot count, time, side) in the process."""
     return tuple(get_basis(basis).coefficients(knots, t, left))

@@ -63,7 +63,7 @@ def _run_forward(call: StageCall, x: Tensor, knots: Sequence[Tensor], keep_every
     """All steps from x under no_grad, recording random draws: (final state, context, the state at
     every ``keep_every``-th step, flattened; none when 0)."""
     stage = call.stage
-    context = ForwardContext.capture(x)
+    context = ForwardContext.capture(x, call.inputs)
     state = stage.initial_state(x)
     saved: list[Tensor] = []
     for n in range(stage.steps):
@@ -120,7 +120,8 @@ class _StagePass:
         if not self.stage.draws_random:
             graph = step_graph(self.stage, 0)
             knots = self.grads.rerun(graph, differentiate=False).knots
-            step = probe_sample_bytes(graph.module, lambda state: graph(*state, *knots), saved[0])
+            inputs = self.context.inputs
+            step = probe_sample_bytes(graph.module, lambda state: graph(*state, *knots, *inputs), saved[0])
             slices = batch_slices(grad_out, sample_bytes=step + sum(4 * s[0].numel() for s in saved[0]))
         if len(slices) == 1:
             return self.checkpointed(saved, every, grad_out)

@@ -171,27 +171,29 @@ class ForwardContext:
     """What a stage's forward leaves for its backward: generators, autocast state, random draws.
 
     ``tapes`` holds the random draws of each recorded graph run, keyed by the caller (a step
-    index, or a point and side); a run that drew nothing leaves no tape.
+    index, or a point and side); a run that drew nothing leaves no tape. ``inputs`` are the
+    stage's constant inputs (:attr:`StageIR.inputs`), which every graph run takes after its knots.
     """
 
     rng: Generators
     autocast: dict[str, Any]
     tapes: dict[Any, Tape] = field(default_factory=dict)
+    inputs: tuple[Tensor, ...] = ()
 
     @classmethod
-    def capture(cls, x: Tensor) -> ForwardContext:
-        """The current autocast state and the generators ``x``'s device draws from."""
+    def capture(cls, x: Tensor, inputs: Sequence[Tensor] = ()) -> ForwardContext:
+        """The current autocast state, the generators ``x``'s device draws from, the constant inputs."""
         kind = x.device.type
         autocast = {
             "device_type": kind,
             "dtype": torch.get_autocast_dtype(kind),
             "enabled": torch.is_autocast_enabled(kind),
         }
-        return cls(Generators(x.device), autocast)
+        return cls(Generators(x.device), autocast, inputs=tuple(inputs))
 
     def record(self, key: Any, graph: StepGraph, args: Sequence[Tensor]) -> Any:
         """Run ``graph`` in forward, noting the random draws it made under ``key``."""
-        out, tape = record(graph.module, tuple(args), self.rng)
+        out, tape = record(graph.module, (*args, *self.inputs), self.rng)
         if tape:
             self.tapes[key] = tape
         return out
@@ -199,7 +201,8 @@ class ForwardContext:
     def replay(self, key: Any, graph: StepGraph, args: Sequence[Tensor]) -> Any:
         """Re-run ``graph`` (or another graph naming its nodes alike) with the draws noted under ``key``."""
         tape = self.tapes.get(key)
-        return graph(*args) if tape is None else replay(graph.module, tuple(args), tape, self.rng)
+        args = (*args, *self.inputs)
+        return graph(*args) if tape is None else replay(graph.module, args, tape, self.rng)
 
     @contextmanager
     def restored(self) -> Iterator[None]:
@@ -224,6 +227,8 @@ class StageCall:
     stage: StageIR
     stats: AdjointStats
     num_knots: int
+    inputs: tuple[Tensor, ...] = ()
+    """The stage's constant inputs (:attr:`StageIR.inputs`): passed to every graph, never differentiated."""
 
 
 @dataclass(frozen=True)

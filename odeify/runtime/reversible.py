@@ -245,14 +245,15 @@ class LatticeAdjoint(StageFunction):
     def forward(ctx: Any, call: StageCall, x: Tensor, *params: Tensor) -> Tensor:
         stage = call.stage
         program = compile_program(stage)
-        context = ForwardContext.capture(x)
-        slices = batch_slices(x, sample_bytes=_sample_bytes(program, stage, x, params[: call.num_knots]))
+        context = ForwardContext.capture(x, call.inputs)
+        knots = params[: call.num_knots]
+        slices = batch_slices(x, sample_bytes=_sample_bytes(program, stage, x, knots, call.inputs))
         out = torch.empty_like(x) if len(slices) > 1 else None
         kept: list[tuple[Tensor | None, ...] | None] = []
         whys = []
         for index, rows in enumerate(slices):
             sliced = _sliced(context, slices, index)
-            part, packed, why = _forward_slice(program, stage, x[rows], sliced, params[: call.num_knots])
+            part, packed, why = _forward_slice(program, stage, x[rows], sliced, knots)
             if out is None:
                 out = part
             else:
@@ -272,7 +273,7 @@ class LatticeAdjoint(StageFunction):
         return out
 
 
-def _sample_bytes(program: Program, stage: StageIR, x: Tensor, knots) -> int:
+def _sample_bytes(program: Program, stage: StageIR, x: Tensor, knots, inputs: tuple[Tensor, ...]) -> int:
     """What one sample costs while the stage steps: its float64 register and the tensors the largest
     of its fields creates in one evaluation (:func:`odeify.runtime.batch_slices.probe_sample_bytes`)."""
     first: dict[int, _Evaluation] = {}
@@ -282,7 +283,7 @@ def _sample_bytes(program: Program, stage: StageIR, x: Tensor, knots) -> int:
 
     def evaluating(op: _Evaluation):
         graph = delta_graph(stage, op.t, op.left, op.field)
-        return graph.module, lambda sample: graph(sample[0], *_knot_inputs(graph, knots))
+        return graph.module, lambda sample: graph(sample[0], *_knot_inputs(graph, knots), *inputs)
 
     fields = [evaluating(op) for op in first.values()]
     return 8 * x[0].numel() + max(probe_sample_bytes(module, run, [x]) for module, run in fields)

@@ -32,7 +32,7 @@ from odeify.ir.settings import (
     validate_midpoints,
     validate_steps,
 )
-from odeify.ir.stage_ir import Slot, may_draw_random
+from odeify.ir.stage_ir import Slot, may_draw_random, template_inputs
 from odeify.numerics.bases import get_basis
 from odeify.numerics.tableaus import (
     REVERSIBLE_SCHEMES,
@@ -200,6 +200,12 @@ class SplitStage(ODEStage):
     @property
     def draws_random(self) -> bool:
         return any(may_draw_random(m) for t in [*self.field_templates, self.variants] for m in t.modules())
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Every sub-field's constant inputs, each once, in field order."""
+        names = (template_inputs(view.template, len(view.slots)) for view in self.field_views())
+        return tuple(dict.fromkeys(name for field in names for name in field))
 
     def graph_signature(self) -> tuple:
         return (*super().graph_signature(), *(t.code for t in self.field_templates))

@@ -53,27 +53,37 @@ class ODEStage(StageIR):
         """A graph ``(x, knot window...) -> F(t, x)`` at an exact time (left limit when ``left``)."""
         return emit.field_graph(self, Fraction(t), left)
 
-    def field(self, t: Fraction, x: torch.Tensor, left: bool = False) -> torch.Tensor:
+    def field(
+        self, t: Fraction, x: torch.Tensor, left: bool = False, inputs: tuple[torch.Tensor, ...] = ()
+    ) -> torch.Tensor:
         """F(t, x) evaluated eagerly at an exact time (a Fraction in [0, 1])."""
-        return self.run_graph(self.field_graph(t, left), (x,))
+        return self.run_graph(self.field_graph(t, left), (x,), inputs=inputs)
 
     def run_graph(
-        self, graph: emit.StepGraph, state: tuple[torch.Tensor, ...], knots: list[torch.Tensor] | None = None
+        self,
+        graph: emit.StepGraph,
+        state: tuple[torch.Tensor, ...],
+        knots: list[torch.Tensor] | None = None,
+        inputs: tuple[torch.Tensor, ...] = (),
     ) -> Any:
-        """Run a step or field graph on ``state`` and the knot rows it reads (default knots: the stage's)."""
-        return graph(*state, *knot_window_inputs(graph, self.knot_tensors() if knots is None else knots))
+        """Run a step or field graph on ``state``, the knot rows it reads (default knots: the stage's)
+        and the stage's constant ``inputs``."""
+        knots = self.knot_tensors() if knots is None else knots
+        return graph(*state, *knot_window_inputs(graph, knots), *inputs)
 
     def _apply(self, fn, *args: Any, **kwargs: Any):
         return super()._apply(_per_knot_layout(fn), *args, **kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The memory-saving backward when gradients are on; else the unrolled graph. While
+    def forward(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        """``x`` integrated over the stage, given its constant ``inputs`` (:attr:`StageIR.inputs`).
+
+        The memory-saving backward when gradients are on; else the unrolled graph. While
         ``torch.export``, ``torch.jit.trace`` or ONNX record the model, an eval-mode stage runs its
         unrolled graph (the backward mode matters only in training, and the custom backward cannot
         be recorded); a training-mode one is refused, naming the fix."""
         if self.backward != "backprop" and torch.is_grad_enabled():
             if not recording():
-                return integrate_with_adjoint(self, x)
+                return integrate_with_adjoint(self, x, inputs)
             if self.training:
                 raise ConfigError(
                     f"stage '{self.stage_name}' is in training mode with backward '{self.backward}', "
@@ -81,15 +91,18 @@ class ODEStage(StageIR):
                     "(model.eval(): the backward mode matters only in training), or set "
                     "odeify.set_backward(model, 'backprop') to export the training graph."
                 )
-        return self.run_graph(self.unrolled_graph(), (x,))
+        return self.run_graph(self.unrolled_graph(), (x,), inputs=inputs)
 
 
 # A deliberate graph break under torch.compile: the Functions run Python loops over cached step
 # graphs, record random draws and call autograd in backward, none of which dynamo can trace; the
 # rest of a compiled model (the segments between stages) still compiles.
 @torch.compiler.disable
-def integrate_with_adjoint(stage: ODEStage, x: torch.Tensor) -> torch.Tensor:
-    """Run ``stage`` on ``x`` with the memory-saving backward named by ``stage.backward``."""
+def integrate_with_adjoint(
+    stage: ODEStage, x: torch.Tensor, inputs: tuple[torch.Tensor, ...] = ()
+) -> torch.Tensor:
+    """Run ``stage`` on ``x`` (and its constant ``inputs``) with the memory-saving backward named by
+    ``stage.backward``."""
     function = MEMORY_SAVING.get(stage.backward)
     if function is None:
         raise ConfigError(
@@ -97,12 +110,25 @@ def integrate_with_adjoint(stage: ODEStage, x: torch.Tensor) -> torch.Tensor:
             f"{', '.join(MEMORY_SAVING)} (backprop goes through the unrolled graph)."
         )
     _check_batchnorm(stage)
+    _check_inputs(stage, inputs)
     knots = stage.knot_tensors()
     extras = [p for p in stage.parameters() if p.requires_grad and not any(p is k for k in knots)]
     if not (x.requires_grad or any(t.requires_grad for t in (*knots, *extras))):
         with torch.no_grad():
-            return stage(x)
-    return function.run(StageCall(stage, stage.adjoint_stats, len(knots)), x, [*knots, *extras])
+            return stage(x, *inputs)
+    call = StageCall(stage, stage.adjoint_stats, len(knots), tuple(inputs))
+    return function.run(call, x, [*knots, *extras])
+
+
+def _check_inputs(stage: ODEStage, inputs: tuple[torch.Tensor, ...]) -> None:
+    """The memory-saving modes take constant inputs: re-runs pass them as they are, undifferentiated."""
+    trainable = [name for name, value in zip(stage.inputs, inputs, strict=True) if value.requires_grad]
+    if trainable:
+        raise ConfigError(
+            f"stage '{stage.stage_name}' takes {', '.join(trainable)} as a constant input, but it requires "
+            f"grad, which backward '{stage.backward}' does not compute. Use "
+            "odeify.set_backward(model, 'backprop'), or compute it from tensors that need no gradient."
+        )
 
 
 def _check_batchnorm(stage: ODEStage) -> None:

@@ -285,7 +285,7 @@ def calibrate(
                 runs = [_run(work, paths, depth, name, x, chunk, budget) for depth in depths]
             else:
                 runs = [
-                    _carried(work, paths, depth, name, rows)
+                    _carried(work, paths, depth, name, rows, x)
                     for depth, rows in zip(depths, carried, strict=True)
                 ]
             following = names[index + 1] if index + 1 < len(names) else None
@@ -370,12 +370,14 @@ def _at_depth(work: fx.GraphModule, paths: dict[str, str], depth: _Depth) -> fx.
 @dataclass
 class _Run:
     """A stage at one listed depth: the depth's label, its step count, the stage's unrolled graph at
-    that count, and its inputs there (the calibrated model's own activations at that depth)."""
+    that count, its inputs there (the calibrated model's own activations at that depth) and its
+    constant inputs (:attr:`StageIR.inputs`, the same for every image)."""
 
     depth: str | None
     steps: int
     graph: StepGraph
     inputs: Rows
+    constants: tuple[torch.Tensor, ...] = ()
 
 
 def _run(
@@ -390,14 +392,38 @@ def _run(
     """Stage ``name`` of ``work`` switched to ``depth``, with its inputs there on ``x``."""
     stage = _at_depth(work, paths, depth).get_submodule(paths[name])
     inputs = _activations(work, {name: paths[name]}, x, chunk, "input", budget)[0][name]
-    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs)
+    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs, _constants(work, paths[name], x))
 
 
-def _carried(work: fx.GraphModule, paths: dict[str, str], depth: _Depth, name: str, inputs: Rows) -> _Run:
+def _carried(
+    work: fx.GraphModule, paths: dict[str, str], depth: _Depth, name: str, inputs: Rows, x: torch.Tensor
+) -> _Run:
     """Stage ``name`` of ``work`` switched to ``depth``, with the inputs there that the fit of the
     stage before computed (the same values a pass of the model gives, without running its prefix)."""
     stage = _at_depth(work, paths, depth).get_submodule(paths[name])
-    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs)
+    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs, _constants(work, paths[name], x))
+
+
+def _constants(work: fx.GraphModule, path: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The constant inputs the stage at ``path`` is called with (a rotary ViT's position table), taken
+    from a pass of one image: they depend on the images' size, not on the images."""
+    if not work.get_submodule(path).inputs:
+        return ()
+    taken: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        taken.extend(value.detach() for value in args[1:])
+        raise _Stop
+
+    handle = work.get_submodule(path).register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            work(x[:1])
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return tuple(taken)
 
 
 @torch.no_grad()
@@ -633,7 +659,7 @@ def _fit_stage(
             goal = wanted[i] if wanted is not None else target.take(part)
             loss = None
             for run in runs:  # equal weights on the depths' relative errors (calibrate's docstring says why)
-                h = stage.run_graph(run.graph, (run.inputs.take(part),))
+                h = stage.run_graph(run.graph, (run.inputs.take(part),), inputs=run.constants)
                 term = (h - goal).pow(2).sum() / energy
                 if tail is not None:
                     term = term + (tail[0](h) - tail[1][part]).pow(2).sum() / output_energy
@@ -689,7 +715,7 @@ def _saved_bytes(stage: ODEStage, run: _Run, images: int) -> int:
         return tensor
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        stage.run_graph(run.graph, (run.inputs.take(torch.arange(images)),))
+        stage.run_graph(run.graph, (run.inputs.take(torch.arange(images)),), inputs=run.constants)
     return total
 
 
@@ -790,7 +816,7 @@ def _residuals(
     outputs = tail[1].split(chunk) if tail is not None else [None] * math.ceil(target.n / chunk)
     stage_sums, output_sums = _Sums(), _Sums()
     for x, y, wanted in zip(run.inputs.batches(chunk), target.batches(chunk), outputs, strict=True):
-        h = stage.run_graph(run.graph, (x,))
+        h = stage.run_graph(run.graph, (x,), inputs=run.constants)
         stage_sums.add(h, y)
         if then is not None:
             then.add(h)
