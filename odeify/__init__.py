@@ -33,6 +33,7 @@ _EXPORTS = {
     "ConfigError": "odeify.core.errors",
     "FallbackWarning": "odeify.core.errors",
     "KnotRefinementWarning": "odeify.compiler.knot_refinement",
+    "NotLiftedWarning": "odeify.compiler.pipelines",
     "ModelLoadError": "odeify.core.errors",
     "NoResidualBlocksError": "odeify.core.errors",
     "OdeifyError": "odeify.core.errors",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers and IDEs
     from odeify.compiler.conversion import verify as verify
     from odeify.compiler.fitted_depths import UnfittedDepthWarning as UnfittedDepthWarning
     from odeify.compiler.knot_refinement import KnotRefinementWarning as KnotRefinementWarning
+    from odeify.compiler.pipelines import NotLiftedWarning as NotLiftedWarning
     from odeify.compiler.source_network import source_network as source_network
     from odeify.compiler.verification import Verification as Verification
     from odeify.compiler.verification import VerificationError as VerificationError
