@@ -77,7 +77,7 @@ COMMON = (
 """The names users try first, swept beside each module's smallest model."""
 FALSE_ALARM = 1e-9
 """A VerificationError is false when the float64 conversion agrees with the source to this (relative)."""
-GIB, MIB = 2**30, 2**20
+GIB = 2**30
 IMPORT_HEADROOM_GIB = 8
 """The child's address-space limit is ``--memory-gib`` plus this: importing torch alone reserves about
 3.7 GiB of address space (3 GiB fails to import it), most of it never resident."""
@@ -127,24 +127,24 @@ def zoo_models(cache: Path | None = None) -> tuple[list[tuple[str, str, int | No
         if saved.get("timm") == timm.__version__:
             return [tuple(m) for m in saved["models"]], saved["skipped"]
     chosen: dict[str, tuple[str, str, int]] = {}
-    counted: dict[str, int] = {}
+    sizes: dict[str, int] = {}
     skipped: dict[str, str] = {}
     modules = timm.list_modules()
     for i, module in enumerate(modules):
         print(f"choosing models: {module} ({i + 1}/{len(modules)})", file=sys.stderr, flush=True)
         for name in timm.list_models(module=module):
             try:
-                counted[name] = count_on_meta(name)
+                sizes[name] = count_on_meta(name)
             except Exception as exc:  # any failure to build is a name to skip, with its reason
                 skipped[name] = first_line(exc)
                 continue
-            if module not in chosen or counted[name] < chosen[module][2]:
-                chosen[module] = (name, module, counted[name])
+            if module not in chosen or sizes[name] < chosen[module][2]:
+                chosen[module] = (name, module, sizes[name])
     family = families()
     models = list(chosen.values())
     for name in COMMON:
         if name not in {m[0] for m in models}:
-            models.append((name, family.get(name, "?"), counted.get(name)))
+            models.append((name, family.get(name, "?"), sizes.get(name)))
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(
@@ -403,29 +403,38 @@ def address_space_limit(memory_gib: float) -> Callable[[], None]:
     return apply
 
 
+def watch(process: subprocess.Popen, deadline: float, memory_mib: float) -> tuple[str, float]:
+    """Wait for ``process`` to end, looking at its resident memory every :data:`POLL_S` seconds; the
+    limit it passed (``timeout`` past ``deadline`` on the perf_counter clock, ``memory`` past
+    ``memory_mib`` resident; "" when it ended on its own) and its largest resident memory seen (MiB)."""
+    peak = 0.0
+    while process.poll() is None:
+        peak = max(peak, resident_mib(process.pid))
+        if peak > memory_mib:
+            return "memory", peak
+        if time.perf_counter() > deadline:
+            return "timeout", peak
+        try:
+            process.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+    return "", peak
+
+
 def run_model(command: list[str], timeout: float, memory_gib: float) -> Row:
     """Run one child to its end, its time-out or its memory limit; the last row it reported, with
     its outcome (``timeout`` / ``memory`` / ``died`` when it did not finish) and its wall time."""
     start = time.perf_counter()
-    killed, peak = "", 0.0
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen(
             command, stdout=out, stderr=err, text=True, preexec_fn=address_space_limit(memory_gib)
         )
-        while process.poll() is None:
-            peak = max(peak, resident_mib(process.pid))
-            if peak > memory_gib * 1024:
-                killed = "memory"
-            elif time.perf_counter() - start > timeout:
-                killed = "timeout"
-            if killed:
+        try:
+            killed, peak = watch(process, start + timeout, memory_gib * 1024)
+        finally:  # the parent stopped (Ctrl-C) or a limit passed: the child goes too
+            if process.poll() is None:
                 process.kill()
                 process.wait()
-                break
-            try:
-                process.wait(timeout=POLL_S)
-            except subprocess.TimeoutExpired:
-                pass
         out.seek(0)
         err.seek(0)
         reports = [line for line in out.read().splitlines() if line.startswith("{")]
@@ -444,6 +453,8 @@ def run_model(command: list[str], timeout: float, memory_gib: float) -> Row:
             outcome="memory" if memory else "died",
             error=f"exit {process.returncode} in {row['phase']}: {tail}",
         )
+    elif "outcome" not in row:
+        row.update(outcome="died", error="the child ended without a result")
     return row
 
 
@@ -614,15 +625,21 @@ MODEL_HEADERS = [
 
 def markdown(rows: list[Row], args: argparse.Namespace, command: str, skipped: dict[str, str]) -> str:
     """The results file: what was measured, the totals, a line per family, every model."""
+    which = (
+        "The models named by --models"
+        if args.models
+        else "The smallest model (by parameters) of every timm model module, and common names"
+    )
+    threads = args.threads or f"torch's default ({torch.get_num_threads()})"
     size = f"{args.img_size}x{args.img_size}" if args.img_size else "its default size (timm's pretrained cfg)"
     lines = [
         "# The timm zoo: what odeify converts",
         "",
-        f"{datetime.date.today().isoformat()}, timm {timm.__version__}. The smallest model (by parameters)",
-        "of every timm model module, and common names; each in a fresh process limited to",
-        f"{args.timeout:g} s and {args.memory_gib:g} GiB resident. Random weights from `make_test_model`",
-        "(seed 0: norm statistics, LayerScales and zero-init gains redrawn as a trained model's), eval",
-        f"mode, batch 1 at {size}, one seeded input.",
+        f"{datetime.date.today().isoformat()}, timm {timm.__version__}. {which}; each in a fresh process",
+        f"limited to {args.timeout:g} s and {args.memory_gib:g} GiB resident. Random weights from",
+        "`make_test_model` (seed 0: norm statistics, LayerScales and zero-init gains redrawn as a",
+        f"trained model's), eval mode, batch 1 at {size}, one seeded input;",
+        f"torch threads per model: {threads}.",
         "",
         "Outcome: `converted`, `refused` (an OdeifyError: a refusal), `traceback` (any other exception, in",
         "convert or in building the model), `timeout`, `memory`, `died` (the process ended without a",
@@ -693,22 +710,33 @@ def progress_line(i: int, total: int, row: Row, elapsed: float, done: int) -> st
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line (``--child`` and ``--model``: a child's, not a user's)."""
     parser = argparse.ArgumentParser(
-        description="Sweep timm's model zoo through odeify: convert, verify, compare in fp32 and fp64, "
-        "retarget and save each model in a fresh process; writes OUT.csv (a row per model, appended as "
-        "it comes) and OUT.md (totals, a line per family, every model).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Sweep timm's model zoo through odeify: build, convert (with its verification), "
+        "compare with the source in fp32 and fp64, retarget to half depth, save and load each model, "
+        "each in a fresh process with a time and a memory limit. Writes OUT.csv (a row per model, "
+        "appended as it comes) and OUT.md (totals, a line per family, every model), and prints a "
+        "line per model.",
+        epilog="The zoo is each timm module's smallest model and common names; choosing it builds "
+        "every timm model on the meta device (minutes), so the choice is kept in OUT_models.json for "
+        "the timm version that made it.",
     )
     parser.add_argument("--models", help="comma-separated timm names to sweep instead of the zoo")
-    parser.add_argument("--list", action="store_true", help="print the zoo's models and exit")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results path without suffix")
-    parser.add_argument("--img-size", type=int, help="input height and width (default: each model's own)")
-    parser.add_argument("--timeout", type=float, default=600, help="wall seconds per model")
-    parser.add_argument("--memory-gib", type=float, default=8, help="resident memory per model, GiB")
-    parser.add_argument("--threads", type=int, help="torch threads in each child (default: torch's)")
-    parser.add_argument("--resume", action="store_true", help="skip models already in OUT.csv")
+    parser.add_argument("--list", action="store_true", help="print the models (name, family, size) and exit")
     parser.add_argument(
-        "--readme-table", action="store_true", help="print the README's family table from OUT.csv"
+        "--out", type=Path, default=DEFAULT_OUT, help="results path without suffix (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--img-size", type=int, help="input height and width (default: each model's, from timm's cfg)"
+    )
+    parser.add_argument("--timeout", type=float, default=600, help="wall seconds per model (default: 600)")
+    parser.add_argument(
+        "--memory-gib", type=float, default=8, help="resident memory per model in GiB (default: 8)"
+    )
+    parser.add_argument("--threads", type=int, help="torch threads per model (default: torch's)")
+    parser.add_argument("--resume", action="store_true", help="skip the models already in OUT.csv")
+    parser.add_argument(
+        "--readme-table", action="store_true", help="print the README's family table from OUT.csv and exit"
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -725,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         child_main(args)
         return 0
-    csv_path, md_path = args.out.with_suffix(".csv"), args.out.with_suffix(".md")
+    csv_path, md_path = (args.out.with_name(args.out.name + suffix) for suffix in (".csv", ".md"))
     if args.readme_table:
         print(readme_table(read_rows(csv_path)))
         return 0

@@ -75,6 +75,9 @@ def test_a_child_past_its_time_or_memory_or_that_dies_is_one_row() -> None:
     assert row["outcome"] == "died" and row["error"] == "exit 1 in save: boom"
     assert row["fp32_rel"] == 1e-7  # what it measured before it died is kept
 
+    silent = python("pass")  # exits 0 without a word
+    assert zoo.run_model(silent, timeout=60, memory_gib=4)["outcome"] == "died"
+
 
 def test_a_sweep_writes_a_row_per_model_and_resumes(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "zoo"
@@ -142,7 +145,8 @@ def test_totals_and_the_readme_table_read_the_rows() -> None:
         row("b", "f1", stages="1", deepest="1", verify="raised", fp64_rel="1e-3", save_load="2.0e-03",
             retarget="ok"),  # a true one
         row("c", "f2", stages="0", deepest="0", save_load="ModelLoadError: no | stage", retarget="Error"),
-        row("d", "f3", "refused", error="NoResidualBlocksError: none", phase_errors="analyze: NoResidualBlocksError: none"),
+        row("d", "f3", "refused", error="NoResidualBlocksError: none",
+            phase_errors="analyze: NoResidualBlocksError: none"),
     ]  # fmt: skip
     text = "\n".join(zoo.totals(rows))
     assert "converted 3, refused 1" in text and "no ODE stage (no run lifted): 1 (c)" in text
