@@ -157,3 +157,13 @@ def test_totals_and_the_readme_table_read_the_rows() -> None:
     table = zoo.model_rows(rows)
     assert table[2][7] == "ModelLoadError: no \\| stage"  # a pipe would end the cell
     assert table[3][4] == "- / - / -" and table[3][8] == "NoResidualBlocksError: none"  # not repeated
+
+
+def test_a_failing_save_is_its_column_and_names_no_temporary_folder(monkeypatch) -> None:
+    def refuse(model: nn.Module, path: Path) -> None:
+        raise zoo.OdeifyError(f"{path} cannot be written")
+
+    monkeypatch.setattr(zoo.odeify, "save", refuse)
+    row = zoo.Child(lambda row: None).run("resnet18", img_size=32)
+    assert row["save_load"] == "OdeifyError: <folder>/model.safetensors cannot be written"
+    assert row["outcome"] == "converted" and row["retarget"] == "ok" and row["phase_errors"] == ""
