@@ -12,7 +12,7 @@ model's default input size from timm's pretrained cfg unless ``--img-size``, one
 phase timed, and each phase's exception caught so that the others still report:
 
 - build: the test model; trace: the residual adds of the fx trace (adds of two tensors of the
-  output's shape, both computed from the input); analyze: ``odeify.analyze``'s blocks and runs;
+  sum's shape, both computed from the input); analyze: ``odeify.analyze``'s blocks and runs;
 - convert: ``odeify.convert`` with its own verification (fp32); the outcome is ``converted``,
   ``refused`` (an OdeifyError: class and first line) or ``traceback`` (any other exception). A
   VerificationError is recorded and the model converted again with ``verify=False``, to measure it;
@@ -22,12 +22,14 @@ phase timed, and each phase's exception caught so that the others still report:
 - retarget: ``odeify.retarget(steps="x0.5")`` and a forward; save: ``odeify.save`` then
   ``odeify.load`` and the loaded model's output against the saved one's.
 
-The parent appends each row to the CSV as it comes (an interrupted sweep keeps what it measured;
-``--resume`` skips the models already there) and rewrites the Markdown summary after each model.
+``--out OUT`` writes OUT.csv, OUT.md and OUT_models.json (the zoo's choice, kept for the timm version
+that made it: choosing builds every timm model on meta, minutes). The parent appends each row to the
+CSV as it comes (an interrupted sweep keeps what it measured; ``--resume`` skips the models already
+there) and rewrites the Markdown summary after each model.
 
     python benchmarks/zoo.py --list
     python benchmarks/zoo.py --models resnet18,vit_small_patch16_224 --out /tmp/zoo_try
-    python benchmarks/zoo.py                       # the whole zoo: about an hour on 2 cores
+    python benchmarks/zoo.py                       # the whole zoo: 1-2 hours on 2 cores
     python benchmarks/zoo.py --resume              # go on with an interrupted sweep
     python benchmarks/zoo.py --readme-table        # the README's family table, from the CSV
 """
