@@ -85,14 +85,30 @@ def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> Pas
     """Symbolically trace ``model`` into a new graph module; on failure say which code FX choked on
     and what to do. A device read while tracing runs on the input's device (:mod:`odeify.passes.devices`)."""
     tracer = ResidualTracer(extra_leaves)
+    attributes = set(vars(model))
     try:
-        graph = tracer.trace(model, concrete_args=optional_defaults(model) or None)
-    except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
-        raise TraceError(_untraceable_message(model, exc, extra_leaves)) from exc
-    _drop_unused_inputs(graph)
-    read_input_device(graph, tracing_device(model))
-    name = type(model).__name__
-    return PassResult(fx.GraphModule(tracer.root, graph, name), modified=True)
+        try:
+            graph = tracer.trace(model, concrete_args=optional_defaults(model) or None)
+        except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
+            raise TraceError(_untraceable_message(model, exc, extra_leaves)) from exc
+        _drop_unused_inputs(graph)
+        read_input_device(graph, tracing_device(model))
+        return PassResult(fx.GraphModule(tracer.root, graph, type(model).__name__), modified=True)
+    finally:
+        _forget_constants(model, attributes)
+
+
+def _forget_constants(model: nn.Module, attributes: set[str]) -> None:
+    """Remove the tensor constants fx set on ``model`` while tracing it (``_tensor_constant0``).
+
+    fx keeps a tensor the code makes (DINOv3's rotary periods) as an attribute of the traced root,
+    named by the first free number: left there, the model is changed by a conversion that promises to
+    leave it as it is, and its next trace names the same tensor ``_tensor_constant1``, so a file saved
+    from it no longer matches the model load rebuilds (a fresh trace, ``_tensor_constant0``).
+    """
+    for name in set(vars(model)) - attributes:
+        if name.startswith("_tensor_constant"):
+            delattr(model, name)
 
 
 def optional_defaults(model: nn.Module) -> dict[str, object]:
