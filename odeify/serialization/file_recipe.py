@@ -151,9 +151,8 @@ def _no_stage_message(record: Mapping[str, Any], name: str) -> str:
     return (
         f"odeify.save refuses this {name}: it was converted, but no run of its residual blocks could be "
         f"lifted into an ODE stage{why}, so it has no ODE stages and computes what its source does. A file "
-        "of it would hold nothing the source does not: use and save the source model itself. A run becomes "
-        "a stage once its reason is gone (a module kept opaque as an fx leaf, by timm's registry or "
-        "leaf_modules, has to be traced through); then convert again."
+        "of it would hold nothing the source does not: use and save the source model itself. To get stages, "
+        "change what a reason names, where it says that can be done, and convert again."
     )
 
 
