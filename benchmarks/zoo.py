@@ -63,6 +63,7 @@ import odeify
 from odeify.compiler.conversion import converted_stages
 from odeify.compiler.verification import VerificationError
 from odeify.core.errors import OdeifyError
+from odeify.ir.plan import Run
 from odeify.models._testing import make_test_model
 from odeify.models.timm_interface import default_input_size
 from odeify.passes.graph_utils import data_nodes, is_add_join
@@ -205,19 +206,27 @@ def build(name: str, img_size: int | None) -> torch.nn.Module:
     return make_test_model(name, seed=0)
 
 
-def residual_adds(model: torch.nn.Module, shape: tuple[int, ...]) -> int:
-    """Adds in the fx trace of two tensors of the sum's shape, both computed from the input."""
+def residual_adds(model: torch.nn.Module, shape: tuple[int, ...]) -> set[str]:
+    """The names of the adds in the fx trace of two tensors of the sum's shape, both computed from the
+    input (``odeify.analyze`` traces alike, so its blocks name the same nodes)."""
     gm = trace(model).graph_module
     annotate_shapes(gm, shape)
     data = data_nodes(gm.graph)
-    count = 0
+    found = set()
     for node in gm.graph.nodes:
         if node.name not in data or not is_add_join(node):
             continue
         shapes = {node_shape(arg) for arg in node.args}
         if all(arg.name in data for arg in node.args) and shapes == {node_shape(node)} and None not in shapes:
-            count += 1
-    return count
+            found.add(node.name)
+    return found
+
+
+def adds_inside(adds: set[str], runs: Sequence[Run]) -> int:
+    """How many of ``adds`` lie in the runs' blocks: their joins, and adds inside their branches (a
+    rotary embedding's ``q * cos + rotate(q) * sin``), which a stage integrates with its block."""
+    nodes = {name for run in runs for block in run.blocks for name in (*block.nodes, block.join)}
+    return len(adds & nodes)
 
 
 class Child:
@@ -278,8 +287,10 @@ class Child:
             x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
         if row.get("outcome"):
             return
+        adds: set[str] = set()
         with self.phase("trace"):
-            row["residual_adds"] = residual_adds(model, shape)
+            adds = residual_adds(model, shape)
+            row["residual_adds"] = len(adds)
         plan = None
         with self.phase("analyze"):
             plan = odeify.analyze(model, input_size=shape)
@@ -288,7 +299,7 @@ class Child:
                 f"{r.length}x{r.period}" if r.period > 1 else str(r.length) for r in plan.runs
             )
         with self.phase("convert", errors="error"):
-            converted = self._convert(model, shape, plan)
+            converted = self._convert(model, shape, plan, adds)
         if row.get("outcome") != "converted":
             return
         with self.phase("fp32"):
@@ -327,7 +338,9 @@ class Child:
             )
         row["save_load"] = row["save_load"].replace(folder, "<folder>")  # the same text in every run
 
-    def _convert(self, model: torch.nn.Module, shape: tuple[int, ...], plan: Any) -> torch.nn.Module:
+    def _convert(
+        self, model: torch.nn.Module, shape: tuple[int, ...], plan: Any, adds: set[str]
+    ) -> torch.nn.Module:
         """convert with its verification (a VerificationError recorded, then convert unverified);
         the stages, their depths and the residual adds inside them."""
         row = self.row
@@ -349,7 +362,7 @@ class Child:
         row["not_lifted"] = "; ".join(f"{run}: {why}" for run, why in not_lifted.items())
         if plan is not None:
             lifted = {stage.stage_name for stage in stages}
-            row["adds_in_stages"] = sum(len(run.blocks) for run in plan.runs if run.name in lifted)
+            row["adds_in_stages"] = adds_inside(adds, [run for run in plan.runs if run.name in lifted])
         return converted
 
 

@@ -167,3 +167,18 @@ def test_a_failing_save_is_its_column_and_names_no_temporary_folder(monkeypatch)
     row = zoo.Child(lambda row: None).run("resnet18", img_size=32)
     assert row["save_load"] == "OdeifyError: <folder>/model.safetensors cannot be written"
     assert row["outcome"] == "converted" and row["retarget"] == "ok" and row["phase_errors"] == ""
+
+
+def test_adds_inside_a_stages_blocks_count_as_in_stages() -> None:
+    """DINOv3's rotary embedding adds ``q * cos + rotate(q) * sin`` inside every attention half: adds of
+    two batch-computed tensors of one shape, which its stage integrates with the block's join."""
+    import odeify
+    from odeify.models._testing import make_test_model
+
+    model = make_test_model("vit_tiny_patch16_dinov3_qkvb", img_size=32, depth=2)
+    adds = zoo.residual_adds(model, (1, 3, 32, 32))
+    plan = odeify.analyze(model, input_size=(1, 3, 32, 32))
+    joins = {block.join for block in plan.blocks}
+    assert len(joins) == 4 and joins < adds, "4 halves' joins, and the rotary adds besides"
+    assert zoo.adds_inside(adds, plan.runs) == len(adds)
+    assert zoo.adds_inside(adds, []) == 0
