@@ -37,6 +37,7 @@ from odeify.passes.graph_utils import (
 )
 from odeify.passes.periods import find_periods
 from odeify.passes.properties import BLOCKS, RUNS
+from odeify.passes.tracing import node_shape
 
 GROUP_RUNS = analysis("group_runs", requires={BLOCKS}, ensures={RUNS})
 SHAPE_DEPTH = 8
@@ -101,6 +102,8 @@ def block_signature(block: Block, gm: fx.GraphModule) -> tuple:
         elif arg.name not in data and depth < SHAPE_DEPTH:  # SAM's H = x.shape[1], read outside too
             args = describe_arg(arg.args, lambda a: refer(a, depth + 1))
             return ("shape", describe_target(arg, modules), args)
+        elif depth > 0:  # the shape of a value before the block (DaViT's B, C, H, W of its pair's input)
+            return ("shape of", node_shape(arg))
         return ("outside", arg.name)
 
     signature = [
@@ -170,8 +173,6 @@ def _extend(
 
 def as_pre_activation(block: Block, nodes: dict[str, fx.Node]) -> Block:
     """The same block read as pre-activation: the join is its output, the activation is outside."""
-    from odeify.passes.tracing import node_shape
-
     return replace(
         block, output=block.join, form="pre", activation=None, out_shape=node_shape(nodes[block.join])
     )

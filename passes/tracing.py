@@ -92,10 +92,27 @@ def trace(model: nn.Module, extra_leaves: Sequence[type[nn.Module]] = ()) -> Pas
         except Exception as exc:  # fx raises many types; all mean "this code is not traceable"
             raise TraceError(_untraceable_message(model, exc, extra_leaves)) from exc
         _drop_unused_inputs(graph)
+        _skip_identities(graph, model)
         read_input_device(graph, tracing_device(model))
         return PassResult(fx.GraphModule(tracer.root, graph, type(model).__name__), modified=True)
     finally:
         _forget_constants(model, attributes)
+
+
+def _skip_identities(graph: fx.Graph, model: nn.Module) -> None:
+    """Erase every call of an ``nn.Identity``: its users read its input.
+
+    timm puts ``nn.Identity`` where an optional layer is off (Swin-V2-CR's ``norm3`` after most
+    blocks, Next-ViT's patch embedding of a block that keeps its width, a DropPath at rate 0). A call
+    of one between two blocks is no layout glue, so the blocks on either side did not chain into a
+    run; the call computes nothing, so no analysis or emitted graph needs it.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        if type(model.get_submodule(node.target)) is nn.Identity:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
 
 
 def _forget_constants(model: nn.Module, attributes: set[str]) -> None:

@@ -184,3 +184,25 @@ def test_a_model_traced_before_converts_to_a_file_load_reads(tmp_path) -> None:
     x = _image(32, torch.float32)
     with torch.no_grad():
         assert torch.equal(odeify.load(path)(x), again(x))
+
+
+DAVIT = {"depths": (1, 1, 2, 1), "embed_dims": (16, 32, 64, 128), "num_heads": (1, 2, 4, 8)}
+
+
+def test_davit_blocks_reading_their_pairs_input_shape_form_one_stage() -> None:
+    """DaViT's halves read ``B, C, H, W`` of their block pair's input, a tensor before them: their
+    signatures describe it by its shape, so the third stage's two pairs are one stage of period 8; a
+    lone pair's halves take ``H, W`` as constant inputs (Python numbers), also in checkpoint mode."""
+    model = make_test_model("davit_tiny", dtype=torch.float64, **DAVIT)
+    converted = odeify.convert(model, input_size=(1, 3, 64, 64))
+    stages = converted_stages(converted)
+    assert max((stage.depth, getattr(stage, "num_fields", 1)) for stage in stages) == (2, 8)
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        assert rel(converted(x), model(x)) <= NATIVE_TOLERANCE
+    grads = []
+    for mode in ("checkpoint", "backprop"):
+        leaf = x.clone().requires_grad_()
+        odeify.retarget(converted, backward=mode)(leaf).square().sum().backward()
+        grads.append(leaf.grad)
+    assert rel(*grads) <= GRADIENT_TOLERANCE

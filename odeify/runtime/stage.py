@@ -122,7 +122,8 @@ def integrate_with_adjoint(
 
 def _check_inputs(stage: ODEStage, inputs: tuple[torch.Tensor, ...]) -> None:
     """The memory-saving modes take constant inputs: re-runs pass them as they are, undifferentiated."""
-    trainable = [name for name, value in zip(stage.inputs, inputs, strict=True) if value.requires_grad]
+    given = zip(stage.inputs, inputs, strict=True)
+    trainable = [name for name, value in given if getattr(value, "requires_grad", False)]
     if trainable:
         raise ConfigError(
             f"stage '{stage.stage_name}' takes {', '.join(trainable)} as a constant input, but it requires "
