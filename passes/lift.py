@@ -13,6 +13,7 @@ state to its sub-block's input and the update back (:mod:`odeify.passes.glue`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import keyword
 import operator
@@ -265,10 +266,14 @@ class _TemplateBuilder:
                 )
                 new = graph.call_function(operator.add, (base, branch_operand))
             else:
-                target = self.add_module(peers) if node.op == "call_module" else node.target
                 args = self.lift_arg([p.args for p in peers], f"{node.name}")
                 kwargs = self.lift_arg([p.kwargs for p in peers], f"{node.name}")
-                new = graph.create_node(node.op, target, args, kwargs, name=_local_name(node, self.scopes[0]))
+                name = _local_name(node, self.scopes[0])
+                if node.op == "call_module" and _holds_tensors(self.modules[node.target]):
+                    new = self.opaque_call(peers, args, kwargs, name)
+                else:
+                    target = self.add_module(peers) if node.op == "call_module" else node.target
+                    new = graph.create_node(node.op, target, args, kwargs, name=name)
             for e, p in zip(self.env, peers, strict=True):
                 e[p] = new
         graph.output((branch_operand, self.env[0][cores[0][-1]]))
@@ -325,6 +330,34 @@ class _TemplateBuilder:
         if len({repr(m) for m in peer_modules}) > 1:
             self.variants[target.replace(".", "__")] = peer_modules
         return target
+
+    def opaque_call(self, peers: list[fx.Node], args: tuple, kwargs: dict, name: str) -> fx.Node:
+        """A call of a module fx keeps whole (ConViT's GPSA, an ``nn.LSTM``) whose weights differ per block:
+        ``functional_call(module, {its tensors at t}, args)``, each tensor a slot of the blocks' own.
+
+        The template holds one copy of the first block's module without its tensors (empty
+        non-persistent buffers in their place: the stage's knots are the only copy); the blocks'
+        modules must be of one class and configuration, with tensors of one name and shape.
+        """
+        modules = [self.modules[p.target] for p in peers]
+        first, path = modules[0], peers[0].target
+        if any(repr(m) != repr(first) or _tensor_shapes(m) != _tensor_shapes(first) for m in modules):
+            raise NotLiftable(
+                f"{opaque_weights_reason(path, first)} Its blocks' {type(first).__name__} modules differ "
+                "in configuration or in their tensors' shapes: no one module can take each block's weights."
+            )
+        target = unique_name(_relative(path, self.scopes[0]), self.template_modules)
+        self.template_modules[target] = _without_tensors(first)
+        keys = _weight_keys(first)
+        weights = []
+        for key in keys:
+            values = [_tensor_at(m, key) for m in modules]
+            kind = "param" if _is_trainable(values[0]) else "buffer"  # never by value: load rebuilds
+            weights.append(self.new_slot(f"{target}.{key}", kind, values))
+            self.origins[self.slots[-1].name] = [f"{p.target}.{key}" for p in peers]
+        module = self.graph.get_attr(target)
+        call = (module, keys, weights, tuple(args), kwargs)
+        return self.graph.call_function(call_with_weights, call, name=name)
 
     def lift_glue(self, segments: tuple[tuple[Segment, ...], ...], value: fx.Node) -> fx.Node:
         """Apply one sub-field's glue segments (one tuple per block, all alike) to ``value``.
@@ -529,6 +562,47 @@ def _check_contained(run: Run, members: set[str], nodes: dict[str, fx.Node], liv
             raise NotLiftable(f"'{name}' inside the run is also read by {', '.join(outside)} outside it")
 
 
+def call_with_weights(
+    module: nn.Module, keys: Sequence[str], weights: Sequence[torch.Tensor], args: tuple, kwargs: dict
+) -> object:
+    """``module(*args, **kwargs)`` with its tensors ``keys`` set to ``weights`` for this call alone."""
+    return torch.func.functional_call(module, dict(zip(keys, weights, strict=True)), args, kwargs)
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    """A module with parameters or float buffers: a block's own weights, which a stage takes as slots."""
+    return bool(_weight_keys(module))
+
+
+def _weight_keys(module: nn.Module) -> tuple[str, ...]:
+    """The names of a module's parameters and floating-point buffers (a BatchNorm's step count is none)."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return tuple(key for key, tensor in tensors if tensor.is_floating_point())
+
+
+def _tensor_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(t.shape) for key, t in [*module.named_parameters(), *module.named_buffers()]}
+
+
+def _tensor_at(module: nn.Module, key: str) -> torch.Tensor:
+    owner, _, name = key.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
+def _without_tensors(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are empty non-persistent buffers: a shell
+    that ``functional_call`` fills with a stage time's weights (and a stage's state dict leaves out)."""
+    shell = copy.deepcopy(module)
+    for key in _weight_keys(module):
+        tensor = _tensor_at(module, key)
+        owner, _, name = key.rpartition(".")
+        sub = shell.get_submodule(owner) if owner else shell
+        sub._parameters.pop(name, None)
+        sub._buffers.pop(name, None)
+        sub.register_buffer(name, tensor.new_empty(0), persistent=False)
+    return shell
+
+
 def _attributes_read(node: fx.Node) -> list[fx.Node]:
     """The ``get_attr`` nodes that ``node`` is computed from, transitively (not through shape reads)."""
     found: list[fx.Node] = []
@@ -624,7 +698,12 @@ def _erase_with_side_chains(graph: fx.Graph, doomed: list[fx.Node]) -> None:
 
 
 def prune_unused_attributes(gm: fx.GraphModule) -> None:
-    """Drop parameters, buffers and submodules that no node references any more."""
+    """Drop submodules, then parameters and buffers, that no node references any more.
+
+    Submodules first: a module the graph called whole (a lifted run's opaque GPSA or LSTM) is the
+    source's own object, so it is detached from ``gm``, never emptied in place.
+    """
+    gm.delete_all_unused_submodules()
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
 
     def referenced(path: str) -> bool:
@@ -639,4 +718,3 @@ def prune_unused_attributes(gm: fx.GraphModule) -> None:
                 del owner._parameters[attr]
             elif attr in owner._buffers:
                 del owner._buffers[attr]
-    gm.delete_all_unused_submodules()

@@ -105,12 +105,15 @@ def _skip_identities(graph: fx.Graph, model: nn.Module) -> None:
     timm puts ``nn.Identity`` where an optional layer is off (Swin-V2-CR's ``norm3`` after most
     blocks, Next-ViT's patch embedding of a block that keeps its width, a DropPath at rate 0). A call
     of one between two blocks is no layout glue, so the blocks on either side did not chain into a
-    run; the call computes nothing, so no analysis or emitted graph needs it.
+    run; the call computes nothing, so no analysis or emitted graph needs it. A classifier that is
+    an ``nn.Identity`` (``num_classes=0``) stays a call: ``reset_classifier`` replaces that module.
     """
+    classifier = model.get_classifier() if hasattr(model, "get_classifier") else None
     for node in list(graph.nodes):
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
-        if type(model.get_submodule(node.target)) is nn.Identity:
+        module = model.get_submodule(node.target)
+        if type(module) is nn.Identity and module is not classifier:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
 

@@ -189,16 +189,21 @@ class Mlp(nn.Module):
         return x + self.fc(F.gelu(x))
 
 
-class Recurrent(nn.Module):
-    """Sequencer's obstacle: an nn.LSTM inside the branch (a leaf with weights fx cannot trace into)."""
+class TableBlocks(nn.Module):
+    """Two blocks that read a table computed outside them from a trainable weight: no constant input."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.freq = nn.Parameter(torch.randn(8))
+        self.stem = nn.Linear(8, 8)
+        self.fcs = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, H, W, C), each row a sequence
-        b, h, w, c = x.shape
-        return x + self.rnn(x.reshape(b * h, w, c))[0].reshape(b, h, w, c)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.freq.cos() * x.shape[-1]  # read by every block, from the input's size
+        x = self.stem(x)
+        for fc in self.fcs:
+            x = x + fc(x) * table
+        return x
 
 
 def _convert_warning(model: nn.Module) -> tuple[nn.Module, str]:
@@ -212,15 +217,15 @@ def _convert_warning(model: nn.Module) -> tuple[nn.Module, str]:
 
 def test_no_run_lifted_warns_zero_stages() -> None:
     torch.manual_seed(0)
-    converted, message = _convert_warning(nn.Sequential(Recurrent(), Recurrent()))
+    converted, message = _convert_warning(TableBlocks())
     assert not odeify.converted_stages(converted)
     assert "zero ODE stages" in message and "none of its 1 run" in message
-    assert "Run '" in message and "(LSTM)" in message and "fx cannot trace LSTM's forward" in message
+    assert "Run '" in message and "trainable" in message
 
 
 def test_some_runs_lifted_warns_which_not() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(Mlp(), Mlp(), Recurrent(), Recurrent())
+    model = nn.Sequential(Mlp(), Mlp(), TableBlocks())
     converted, message = _convert_warning(model)
     assert len(odeify.converted_stages(converted)) == 1
     assert "converted with 1 of its 2 runs as ODE stages" in message and "zero" not in message
@@ -274,7 +279,10 @@ def test_opaque_module_reasons_say_what_was_checked() -> None:
     assert "would trace, but odeify has no option" in prelu
 
 
-def test_user_leaf_that_traces_is_named_in_the_warning() -> None:
+def test_a_leaf_with_weights_lifts_through_functional_call() -> None:
+    """A module kept whole (here the user's leaf; ConViT's GPSA, an nn.LSTM) whose blocks hold
+    tensors of one shape: the stage takes each block's as knots, exact at native depth, no warning."""
+
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -283,12 +291,15 @@ def test_user_leaf_that_traces_is_named_in_the_warning() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + self.body(x)
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = nn.Sequential(Block(), Block()).eval()
-        odeify.convert(model, input_size=(1, 4, 8, 8), leaf_modules=[Plain], verify=False)
-    (message,) = [str(w.message) for w in caught if issubclass(w.category, NotLiftedWarning)]
-    assert "leave it out of leaf_modules" in message
+    model = nn.Sequential(Block(), Block()).double().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotLiftedWarning)
+        converted = odeify.convert(model, input_size=(1, 4, 8, 8), leaf_modules=[Plain], verify=False)
+    (stage,) = odeify.converted_stages(converted)
+    assert stage.depth == 2 and not any(True for _ in stage.template.parameters())
+    x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(converted(x), model(x))
 
 
 # --- trace errors: a leaf suggestion only where it was checked ---------------------------------------------

@@ -183,7 +183,9 @@ class StageWriter:
                 result = fx.map_arg(tnode.args[0], env.__getitem__)
             else:
                 target = tnode.target
-                if tnode.op == "call_module":
+                if tnode.op == "get_attr":  # a module a functional_call fills with the weights at t
+                    target = f"{self.prefix}{self.stage.template_attr}.{target}"
+                elif tnode.op == "call_module":
                     key = self.stage.variant_targets.get(target)
                     target = (
                         f"{self.prefix}variants.{key}.{variant}"

@@ -1,0 +1,77 @@
+"""Runs whose blocks call a module fx keeps whole: ConViT's GPSA, Sequencer's nn.LSTM.
+
+Such a module holds its block's weights, but they are no ``get_attr`` nodes, so before no run of
+them became a stage (ConViT: 4 of 24 halves in stages; Sequencer2D and LowFormer: zero stages). The
+template now calls one weightless copy through ``functional_call`` with the weights at each stage
+time, each tensor a knot stack of the blocks' own. Oracles: the eager timm model in float64 (exact
+at native depth), backprop's gradients for checkpoint mode, and the model load rebuilds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from precision import rel
+
+import odeify
+from odeify.compiler.conversion import converted_stages
+from odeify.models._testing import make_test_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NATIVE_TOLERANCE = 1e-13  # float64 against eager timm; measured 0
+GRADIENT_TOLERANCE = 1e-10  # float64, checkpoint against backprop; measured 0
+MODELS = {
+    "convit": ("convit_tiny", {"img_size": 32, "patch_size": 8, "depth": 4, "embed_dim": 48, "num_heads": 4}),
+    "sequencer": ("sequencer2d_s", {"layers": (2, 1, 1, 1), "img_size": 32}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pair(request) -> tuple:
+    name, kwargs = MODELS[request.param]
+    model = make_test_model(name, dtype=torch.float64, **kwargs)
+    return model, odeify.convert(model, input_size=(2, 3, 32, 32))
+
+
+def _image() -> torch.Tensor:
+    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def test_a_run_of_opaque_modules_is_a_deep_exact_stage(pair) -> None:
+    model, converted = pair
+    assert max(stage.depth for stage in converted_stages(converted)) >= 2
+    assert converted.meta["odeify"]["not_lifted"] == {}
+    x = _image()
+    with torch.no_grad():
+        assert rel(converted(x), model(x)) <= NATIVE_TOLERANCE
+
+
+def test_the_knots_are_the_only_copy_of_the_weights(pair) -> None:
+    """The template's module is a shell: no parameter, nothing in the state dict but the knots."""
+    _, converted = pair
+    for stage in converted_stages(converted):
+        templates = getattr(stage, "field_templates", [stage.template])
+        assert all(not any(True for _ in t.parameters()) and not t.state_dict() for t in templates)
+
+
+def test_checkpoint_gradients_reach_the_knots(pair) -> None:
+    _, converted = pair
+    grads = []
+    for mode in ("checkpoint", "backprop"):
+        trained = odeify.retarget(converted, backward=mode)
+        x = _image().requires_grad_()
+        trained(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in trained.parameters() if p.requires_grad)])
+    assert all(g is not None for g in grads[0])
+    for got, want in zip(*grads, strict=True):
+        assert rel(got, want) <= GRADIENT_TOLERANCE
+
+
+def test_save_and_load_rebuild_the_stage(pair, tmp_path) -> None:
+    _, converted = pair
+    path = tmp_path / "model.safetensors"
+    odeify.save(converted, path)
+    x = _image()
+    with torch.no_grad():
+        assert torch.equal(odeify.load(path)(x), converted(x))
