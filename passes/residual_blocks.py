@@ -94,7 +94,14 @@ def find_blocks(gm: fx.GraphModule) -> PassResult:
 
 
 def _outermost(blocks: list[Block]) -> list[Block]:
-    """The blocks whose join lies in no other block's branch, renumbered in order."""
+    """The blocks whose join lies in no other block's branch, renumbered in order.
+
+    A projection block around other blocks gives way to them: HRNet fuses its branches with adds
+    whose region spans the identity blocks of every branch, and a projection block stays a discrete
+    layer anyway, while the blocks inside can become stages.
+    """
+    joins = {block.join for block in blocks}
+    blocks = [b for b in blocks if b.kind != "projection" or not joins.intersection(b.nodes)]
     inside = {name for block in blocks for name in block.nodes}
     kept = [block for block in blocks if block.join not in inside]
     return [dataclasses.replace(block, index=i) for i, block in enumerate(kept)]
