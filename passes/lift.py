@@ -347,8 +347,9 @@ class _TemplateBuilder:
                 "in configuration or in their tensors' shapes: no one module can take each block's weights."
             )
         target = unique_name(_relative(path, self.scopes[0]), self.template_modules)
-        self.template_modules[target] = _without_tensors(first)
-        keys = _weight_keys(first)
+        shell, keys = _without_tensors(first), _weight_keys(first)
+        _check_shell(shell, keys, modules, peers)
+        self.template_modules[target] = shell
         weights = []
         for key in keys:
             values = [_tensor_at(m, key) for m in modules]
@@ -567,6 +568,44 @@ def call_with_weights(
 ) -> object:
     """``module(*args, **kwargs)`` with its tensors ``keys`` set to ``weights`` for this call alone."""
     return torch.func.functional_call(module, dict(zip(keys, weights, strict=True)), args, kwargs)
+
+
+def _check_shell(
+    shell: nn.Module, keys: tuple[str, ...], modules: list[nn.Module], calls: list[fx.Node]
+) -> None:
+    """The shell called with each block's tensors computes what that block's module does, on a seeded
+    input of the call's traced shapes; else the run is not liftable. A module whose output depends on
+    more than its tensors (EfficientViT's attention keeps the biases it gathered first in a cache) would
+    give every block the first one's."""
+    generator = torch.Generator().manual_seed(0)
+
+    def sample(value: object) -> object:
+        if not isinstance(value, fx.Node):
+            return value
+        meta = value.meta.get("tensor_meta")
+        if meta is None or not meta.dtype.is_floating_point:
+            raise NotLiftable(f"the call '{value.name}' feeds a module kept whole and has no traced shape")
+        return torch.randn(meta.shape, generator=generator, dtype=meta.dtype)
+
+    for module, call in zip(modules, calls, strict=True):
+        args, kwargs = fx.node.map_aggregate((call.args, call.kwargs), sample)
+        with torch.no_grad():
+            want = module(*args, **kwargs)
+            got = call_with_weights(shell, keys, [_tensor_at(module, key) for key in keys], args, kwargs)
+        same = [torch.equal(g, w) for g, w in zip(_tensors_of(got), _tensors_of(want), strict=True)]
+        if not all(same) or not same:
+            raise NotLiftable(
+                f"module '{call.target}' ({type(module).__name__}) is kept whole, and one copy of it given "
+                "each block's tensors does not compute what each block's own does (it keeps more state "
+                "than its tensors, such as a cache), so no stage can take its weights"
+            )
+
+
+def _tensors_of(value: object) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or an LSTM's nested tuple)."""
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else v)
+    return found
 
 
 def _holds_tensors(module: nn.Module) -> bool:

@@ -75,3 +75,40 @@ def test_save_and_load_rebuild_the_stage(pair, tmp_path) -> None:
     x = _image()
     with torch.no_grad():
         assert torch.equal(odeify.load(path)(x), converted(x))
+
+
+class _Cached(torch.nn.Module):
+    """EfficientViT's pattern: in eval mode, a value computed from its weights is cached on first use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.rand(8) + 0.5)
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "scale" not in self.cache:
+            self.cache["scale"] = self.scale.exp()
+        return torch.tanh(x * self.cache["scale"])
+
+
+class _CachedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Cached()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+def test_a_module_with_state_beyond_its_tensors_keeps_its_run_discrete() -> None:
+    """One copy given each block's tensors would reuse the first block's cache: checked, refused."""
+    model = torch.nn.Sequential(_CachedBlock(), _CachedBlock()).double().eval()
+    x = torch.randn(2, 8, dtype=torch.float64)
+    with torch.no_grad():
+        model(x)  # the source's caches filled, as a model run before conversion has them
+    with pytest.warns(odeify.NotLiftedWarning):
+        converted = odeify.convert(model, input_size=(2, 8), leaf_modules=[_Cached])
+    assert not converted_stages(converted)
+    assert "cache" in next(iter(converted.meta["odeify"]["not_lifted"].values()))
+    with torch.no_grad():
+        assert rel(converted(x), model(x)) <= NATIVE_TOLERANCE
