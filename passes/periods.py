@@ -152,10 +152,8 @@ def _split(
     def splits_a_module(start: int, period: int, reps: int) -> int:
         """How many of the run's periods start inside a module (LeViT: an MLP half, then attention)."""
         starts = range(start, start + period * reps, period)
-        inside = [
-            k > 0 and stretch[k].scope != "" and stretch[k].scope == stretch[k - 1].scope for k in starts
-        ]
-        return sum(inside)
+        modules = [_indexed_module(block.scope) for block in stretch]
+        return sum(k > 0 and modules[k] != "" and modules[k] == modules[k - 1] for k in starts)
 
     n = len(stretch)
     # best[i]: (runs, sum of periods, periods split inside a module, first run) for blocks i..n-1
@@ -179,6 +177,15 @@ def _split(
         groups.append(first)
         start += len(first.blocks)
     return groups
+
+
+def _indexed_module(scope: str) -> str:
+    """The innermost module of a list a block lives in: ``stages.0.blocks.1.attn`` -> ``stages.0.blocks.1``
+    (timm's ViT, LeViT and Swin blocks are items of an ``nn.ModuleList`` or ``nn.Sequential``)."""
+    parts = scope.split(".")
+    while parts and not parts[-1].isdigit():
+        parts.pop()
+    return ".".join(parts)
 
 
 def _period_glue(link: tuple[fx.Node, ...], found: tuple, period: tuple, last: bool) -> tuple[fx.Node, ...]:

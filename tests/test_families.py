@@ -90,7 +90,7 @@ TRANSFORMERS = {
     "eva": Family("eva02_tiny_patch14_224", TOKENS_64, 64, [12], [2]),
     # 24 self-attention blocks; of the two class-attention blocks (which read the patch tokens from
     # outside) only the second MLP half is an identity block
-    "cait": Family("cait_xxs24_224", TOKENS_64, 64, [24, 1], [2, 1]),
+    "cait": Family("cait_xxs24_224", TOKENS_64, 64, [24, 1, 1], [2, 1, 1]),
     "resmlp": Family("resmlp_12_224", TOKENS_64, 64, [12], [2]),
     "mixer": Family("mixer_s16_224", TOKENS_64, 64, [8], [2]),
     "poolformer": Family("poolformer_s12", {}, 64, [2, 2, 6, 2], [2, 2, 2, 2]),
