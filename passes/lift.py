@@ -573,10 +573,15 @@ def call_with_weights(
 def _check_shell(
     shell: nn.Module, keys: tuple[str, ...], modules: list[nn.Module], calls: list[fx.Node]
 ) -> None:
-    """The shell called with each block's tensors computes what that block's module does, on a seeded
-    input of the call's traced shapes; else the run is not liftable. A module whose output depends on
-    more than its tensors (EfficientViT's attention keeps the biases it gathered first in a cache) would
-    give every block the first one's."""
+    """One copy called with each block's tensors computes what that block's own module does; else the
+    run is not liftable. A module whose output depends on more than its tensors (EfficientViT's
+    attention caches the biases it gathers in eval mode) would give every block the first one's.
+
+    Judged with seeded random tensors in [0.5, 1.5), not the blocks' own, on seeded inputs of the
+    call's traced shapes, caches cleared first (``train()``, as timm clears them), so the verdict
+    depends on the module's code alone: ``load`` rebuilds the model with other weights and must lift
+    the same runs.
+    """
     generator = torch.Generator().manual_seed(0)
 
     def sample(value: object) -> object:
@@ -587,13 +592,21 @@ def _check_shell(
             raise NotLiftable(f"the call '{value.name}' feeds a module kept whole and has no traced shape")
         return torch.randn(meta.shape, generator=generator, dtype=meta.dtype)
 
+    def fresh(module: nn.Module) -> nn.Module:
+        return module.train().eval()
+
+    fresh(shell)
     for module, call in zip(modules, calls, strict=True):
         args, kwargs = fx.node.map_aggregate((call.args, call.kwargs), sample)
+        weights = [
+            torch.rand(t.shape, generator=generator, dtype=t.dtype) + 0.5
+            for t in (_tensor_at(module, key) for key in keys)
+        ]
         with torch.no_grad():
-            want = module(*args, **kwargs)
-            got = call_with_weights(shell, keys, [_tensor_at(module, key) for key in keys], args, kwargs)
+            want = call_with_weights(fresh(copy.deepcopy(module)), keys, weights, args, kwargs)
+            got = call_with_weights(shell, keys, weights, args, kwargs)
         same = [torch.equal(g, w) for g, w in zip(_tensors_of(got), _tensors_of(want), strict=True)]
-        if not all(same) or not same:
+        if not same or not all(same):
             raise NotLiftable(
                 f"module '{call.target}' ({type(module).__name__}) is kept whole, and one copy of it given "
                 "each block's tensors does not compute what each block's own does (it keeps more state "
