@@ -687,18 +687,23 @@ def markdown(rows: list[Row], args: argparse.Namespace, command: str, skipped: d
 
 
 def readme_table(rows: list[Row]) -> str:
-    """The README's "Bring your model" family table: the families of which a model converts into ODE
-    stages, with their deepest stage."""
-    lines = ["| family | converts | deepest stage |", "|---|---|---:|"]
+    """The README's "Bring your model" family table: the families, grouped by what their models get
+    (a stage deeper than one block, one-block stages only, no stage), each with its deepest stage."""
+    groups: dict[str, list[str]] = {"deep": [], "one-block": [], "none": []}
     for family in sorted({r["family"] for r in rows}):
-        members = [r for r in rows if r["family"] == family]
-        converted = [r for r in members if staged(r)]
-        if converted:
-            deepest = max(converted, key=lambda r: number(r, "deepest") or 0)
-            lines.append(
-                f"| {family} | {len(converted)} of {len(members)} models | {deepest['deepest']} "
-                f"({deepest['model']}) |"
-            )
+        members = [r for r in rows if r["family"] == family and staged(r)]
+        deepest = max((int(number(r, "deepest") or 0) for r in members), default=0)
+        group = "deep" if deepest > 1 else "one-block" if deepest == 1 else "none"
+        groups[group].append(f"{family} ({deepest})" if deepest > 1 else family)
+    titles = {
+        "deep": "a stage deeper than one block (its depth)",
+        "one-block": "one-block stages only: exact, no depth to change",
+        "none": "no stage: refused, or failed in this sweep",
+    }
+    lines = ["| what the family's models get | families |", "|---|---|"]
+    for key, names in groups.items():
+        if names:
+            lines.append(f"| {titles[key]}: {len(names)} | {', '.join(names)} |")
     return "\n".join(lines)
 
 

@@ -111,7 +111,7 @@ def test_a_sweep_writes_a_row_per_model_and_resumes(tmp_path, monkeypatch, capsy
     assert capsys.readouterr().out == ""
     assert len((tmp_path / "zoo.csv").read_text().splitlines()) == 3
     assert zoo.main(["--out", str(out), "--readme-table"]) == 0
-    assert capsys.readouterr().out.splitlines()[2] == "| resnet | 1 of 1 models | 2 (resnet18) |"
+    assert capsys.readouterr().out.splitlines()[2] == "| a stage deeper than one block (its depth): 1 | resnet (2) |"
 
 
 @pytest.mark.parametrize("value", [float("nan"), None, 1.5e-7])
@@ -153,7 +153,10 @@ def test_totals_and_the_readme_table_read_the_rows() -> None:
     assert "VerificationErrors: 2 (a, b); false (the fp64 conversion agrees to 1e-09): 1 (a)" in text
     assert "round trips failed (models with stages): 1 of 2: b (2.0e-03)" in text  # c has no stage to save
     assert "retarget x0.5 failed (models with stages): 0 of 2" in text
-    assert zoo.readme_table(rows).splitlines()[2:] == ["| f1 | 2 of 2 models | 3 (a) |"]  # f2: no stage
+    assert zoo.readme_table(rows).splitlines()[2:] == [
+        "| a stage deeper than one block (its depth): 1 | f1 (3) |",
+        "| no stage: refused, or failed in this sweep: 2 | f2, f3 |",  # f2 converted with no stage
+    ]
     table = zoo.model_rows(rows)
     assert table[2][7] == "ModelLoadError: no \\| stage"  # a pipe would end the cell
     assert table[3][4] == "- / - / -" and table[3][8] == "NoResidualBlocksError: none"  # not repeated
