@@ -44,7 +44,7 @@ from odeify.passes.graph_utils import (
 )
 from odeify.passes.properties import BLOCKS, RUNS, STAGE_CALLS
 from odeify.passes.runs import block_node_list, core_nodes, pass_through_source
-from odeify.passes.tracing import opaque_weights_reason
+from odeify.passes.tracing import node_shape, opaque_weights_reason
 
 LIFT_RUNS = transformation(
     "lift_runs",
@@ -588,8 +588,10 @@ def _check_shell(
         if not isinstance(value, fx.Node):
             return value
         meta = value.meta.get("tensor_meta")
-        if meta is None or not meta.dtype.is_floating_point:
-            raise NotLiftable(f"the call '{value.name}' feeds a module kept whole and has no traced shape")
+        if meta is None:
+            return _traced_number(value)
+        if not meta.dtype.is_floating_point:
+            raise NotLiftable(f"'{value.name}', which a module kept whole reads, is no float tensor")
         return torch.randn(meta.shape, generator=generator, dtype=meta.dtype)
 
     def fresh(module: nn.Module) -> nn.Module:
@@ -612,6 +614,20 @@ def _check_shell(
                 "each block's tensors does not compute what each block's own does (it keeps more state "
                 "than its tensors, such as a cache), so no stage can take its weights"
             )
+
+
+def _traced_number(node: fx.Node) -> object:
+    """The value a shape expression had when traced (Twins' ``H // 2`` passed to its attention), from
+    the shapes the trace recorded; a NotLiftable where ``node`` is no such expression."""
+    if is_metadata_query(node) and node.op == "call_function" and node.args[1] == "shape":
+        return torch.Size(node_shape(node.args[0]))
+    if node.op == "call_function" and getattr(node.target, "__module__", "") == "_operator":
+        return node.target(*fx.node.map_aggregate(node.args, _traced_value))
+    raise NotLiftable(f"'{node.name}', which a module kept whole reads, has no value the trace recorded")
+
+
+def _traced_value(value: object) -> object:
+    return _traced_number(value) if isinstance(value, fx.Node) else value
 
 
 def _tensors_of(value: object) -> list[torch.Tensor]:
