@@ -569,7 +569,8 @@ def totals(rows: list[Row]) -> list[str]:
         + f"; false (the fp64 conversion agrees to {FALSE_ALARM:.0e}): {len(false)}"
         + (f" ({', '.join(false)})" if false else ""),
         f"save -> load round trips failed (models with stages): {failures(with_stages, 'save_load')}",
-        f"retarget x0.5 failed (models with stages): {failures(with_stages, 'retarget')}",
+        f"retarget x0.5 failed (models with a stage deeper than one block): {failures(deep, 'retarget')}; "
+        f"refused as changing nothing (one-block stages only): {len(with_stages) - len(deep)}",
     ]
     if worst is not None and number(worst, "fp32_vs_roundoff") is not None:
         items.append(

@@ -111,7 +111,8 @@ def test_a_sweep_writes_a_row_per_model_and_resumes(tmp_path, monkeypatch, capsy
     assert capsys.readouterr().out == ""
     assert len((tmp_path / "zoo.csv").read_text().splitlines()) == 3
     assert zoo.main(["--out", str(out), "--readme-table"]) == 0
-    assert capsys.readouterr().out.splitlines()[2] == "| a stage deeper than one block (its depth): 1 | resnet (2) |"
+    deep_row = "| a stage deeper than one block (its depth): 1 | resnet (2) |"
+    assert capsys.readouterr().out.splitlines()[2] == deep_row
 
 
 @pytest.mark.parametrize("value", [float("nan"), None, 1.5e-7])
@@ -152,7 +153,7 @@ def test_totals_and_the_readme_table_read_the_rows() -> None:
     assert "converted 3, refused 1" in text and "no ODE stage (no run lifted): 1 (c)" in text
     assert "VerificationErrors: 2 (a, b); false (the fp64 conversion agrees to 1e-09): 1 (a)" in text
     assert "round trips failed (models with stages): 1 of 2: b (2.0e-03)" in text  # c has no stage to save
-    assert "retarget x0.5 failed (models with stages): 0 of 2" in text
+    assert "retarget x0.5 failed (models with a stage deeper than one block): 0 of 1" in text
     assert zoo.readme_table(rows).splitlines()[2:] == [
         "| a stage deeper than one block (its depth): 1 | f1 (3) |",
         "| no stage: refused, or failed in this sweep: 2 | f2, f3 |",  # f2 converted with no stage
