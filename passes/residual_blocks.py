@@ -65,7 +65,7 @@ def find_blocks(gm: fx.GraphModule) -> PassResult:
             continue  # fork is a tuple (Res2Net's split) or the virtual root
         region = _region(dg, fork.name, join.name)
         expressions = {w.name for name in region for w in weight_expressions(nodes[name], data)}
-        expressions -= _side_inputs(region, expressions & shapes, fork, nodes, live, data)
+        expressions -= _side_inputs(region, expressions & shapes, nodes, live, data)
         if not _single_entry_exit(region, expressions & shapes, fork, join, nodes, live, data):
             continue
         region |= expressions
@@ -142,7 +142,6 @@ def _single_entry_exit(
 def _side_inputs(
     region: set[str],
     shape_reads: set[str],
-    fork: fx.Node,
     nodes: dict[str, fx.Node],
     live: set[str],
     data: set[str],
