@@ -689,11 +689,12 @@ def _attributes_read(node: fx.Node) -> list[fx.Node]:
 
 
 def _is_trainable(value: object) -> bool:
+    """A parameter that takes gradients: a ``param`` slot, never a shared or buffer one."""
     return isinstance(value, nn.Parameter) and value.requires_grad
 
 
 def _tensor_slot(new_slot, relative: str, values: list[torch.Tensor]) -> fx.Node:
-    if isinstance(values[0], nn.Parameter) and values[0].requires_grad:
+    if _is_trainable(values[0]):
         return new_slot(relative, "param", values)
     if all(torch.equal(values[0], v) for v in values[1:]):
         return new_slot(relative, "shared", values)
