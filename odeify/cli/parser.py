@@ -320,6 +320,14 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
     arg.manifestation_arguments(finetune, defaults=False, finetuning=True)
     arg.augmentation_arguments(finetune)
     _add_training_flags(finetune)
+    _add_run_flags(finetune)
+    _add_start_flags(finetune)
+    _add_teacher_flags(finetune)
+    _add_depth_flags(finetune)
+
+
+def _add_run_flags(finetune: argparse.ArgumentParser) -> None:
+    """Where a fine-tuning run writes, how it resumes, its seed, logging and determinism."""
     finetune.add_argument(
         "--out",
         "--output",
@@ -331,6 +339,26 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "--experiment", metavar="NAME", help="write the run into OUT/NAME (timm's --experiment)"
     )
     finetune.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its last completed epoch"
+    )
+    finetune.add_argument("--seed", type=arg.seed, help="seed of the batch order and RNGs (default 0)")
+    finetune.add_argument(
+        "--log-interval",
+        type=arg.positive_int,
+        metavar="N",
+        help="when output is not a terminal (or TQDM_DISABLE is set): a progress line every N batches "
+        "(default 50, as timm's train.py; --resume: the run's own)",
+    )
+    finetune.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="use deterministic kernels only (torch.use_deterministic_algorithms): bit-identical reruns",
+    )
+
+
+def _add_start_flags(finetune: argparse.ArgumentParser) -> None:
+    """How a fine-tuning run starts: calibrated to the source network, or from the file's knots."""
+    finetune.add_argument(
         "--no-calibrate",
         dest="calibrate",
         action="store_false",
@@ -338,6 +366,10 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         "by default a new run first fits its stages to the source network on training images "
         "(odeify.calibrate)",
     )
+
+
+def _add_teacher_flags(finetune: argparse.ArgumentParser) -> None:
+    """The objective, distillation and weight-average flags of a fine-tuning run."""
     arg.objective_argument(finetune)
     finetune.add_argument(
         "--distill",
@@ -365,9 +397,10 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         help="keep an exponential moving average of the weights, its decay at most DECAY in [0, 1) after "
         "timm's warm-up, and save the average; 'none' or 0: no average (default: the recipe's, none)",
     )
-    finetune.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its last completed epoch"
-    )
+
+
+def _add_depth_flags(finetune: argparse.ArgumentParser) -> None:
+    """The depths a fine-tuning run trains: refined during training, or several at once."""
     finetune.add_argument(
         "--refine-at",
         type=arg.epoch_list,
@@ -380,19 +413,6 @@ def _add_finetune(commands: argparse._SubParsersAction) -> None:
         help="train one set of knots for several depths, e.g. native,x0.5,x0.25: each batch at one drawn "
         "at random, every depth validated each epoch, the worst deciding best.safetensors; the file is "
         "saved at the first and runs at each (odeify eval --steps). A new run first calibrates for all",
-    )
-    finetune.add_argument("--seed", type=arg.seed, help="seed of the batch order and RNGs (default 0)")
-    finetune.add_argument(
-        "--log-interval",
-        type=arg.positive_int,
-        metavar="N",
-        help="when output is not a terminal (or TQDM_DISABLE is set): a progress line every N batches "
-        "(default 50, as timm's train.py; --resume: the run's own)",
-    )
-    finetune.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="use deterministic kernels only (torch.use_deterministic_algorithms): bit-identical reruns",
     )
 
 
