@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import odeify
+from odeify.compiler.conversion import steps_at
 from odeify.core.errors import ConfigError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models.digits import digits_resnet
@@ -110,9 +111,8 @@ def test_deterministic_for_a_seed(native: nn.Module, images: torch.Tensor) -> No
 @pytest.mark.parametrize(
     ("steps", "message"),
     [
-        ([], "list of depths"),
-        (2.5, "list of depths"),
-        (["native", "x1"], "one depth twice"),
+        ([], "must list depths"),
+        (2.5, "must list depths"),
         (["x0.5", "y2"], "multiplier"),
         ([{"nope": 1}], "do not exist"),
     ],
@@ -122,6 +122,23 @@ def test_bad_depth_lists_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         calibrate(native, images, steps=steps, progress=False)
+
+
+def test_depths_with_the_same_steps_are_merged(
+    native: nn.Module, images: torch.Tensor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 57: x0.25 and x0.2 both give stages of 4 and 3 blocks one step each, so the list is
+    fitted as if written without x0.2 (the oracle: that calibration, bit for bit), saying so once."""
+    counts = [steps_at(native, depth) for depth in ("x0.25", "x0.2")]
+    assert counts[0] == counts[1]  # what makes them one depth, by retarget's own rounding
+    with caplog.at_level("INFO", logger="odeify"):
+        merged, report = calibrate(native, images, steps=["native", "x0.25", "x0.2"], iterations=3)
+    alone, expected = calibrate(native, images, steps=["native", "x0.25"], iterations=3, progress=False)
+    assert report.depths == expected.depths == ["native", "x0.25"]
+    mine, theirs = merged.state_dict(), alone.state_dict()
+    assert all(torch.equal(mine[key], theirs[key]) for key in theirs)
+    said = [r.getMessage() for r in caplog.records if "merged" in r.getMessage()]
+    assert len(said) == 1 and "x0.25 and x0.2" in said[0], said
 
 
 def test_native_depth_alone_has_nothing_to_fit(native: nn.Module, images: torch.Tensor) -> None:

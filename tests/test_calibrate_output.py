@@ -18,7 +18,8 @@ from torch import nn
 import odeify
 from odeify.compiler.source_network import source_network
 from odeify.core.errors import ConfigError
-from odeify.train.calibration import _stage_paths, _with_stage_calls, calibrate
+from odeify.train.calibration import calibrate
+from odeify.train.calibration_passes import stage_paths, with_stage_calls
 from odeify.train.network_tail import network_tail
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,9 +59,9 @@ def _stage_output(model: nn.Module, path: str, x: torch.Tensor) -> torch.Tensor:
 def test_the_tail_computes_the_output_from_the_last_stage(name: str, request, images) -> None:
     """The last stage's tail, on that stage's output, is the model's forward to the bit (the same
     operations, float64); a stage with another stage after it has no tail."""
-    model = _with_stage_calls(request.getfixturevalue(name)).eval()
+    model = with_stage_calls(request.getfixturevalue(name)).eval()
     x = images if name == "resnet" else torch.randn(3, 3, 32, 32, dtype=torch.float64)
-    paths = list(_stage_paths(model).values())
+    paths = list(stage_paths(model).values())
     tail = network_tail(model, paths[-1])
     assert tail is not None
     with torch.no_grad():
@@ -88,8 +89,8 @@ class ScaledByStem(nn.Module):
 def test_no_tail_where_a_value_from_before_the_stage_reaches_the_output() -> None:
     """The stage's output alone does not give the network's output: no tail (the stage loss is kept)."""
     torch.manual_seed(0)
-    model = _with_stage_calls(odeify.convert(ScaledByStem().double(), input_size=(2, 4, 4)))
-    (path,) = _stage_paths(model).values()
+    model = with_stage_calls(odeify.convert(ScaledByStem().double(), input_size=(2, 4, 4)))
+    (path,) = stage_paths(model).values()
     assert network_tail(model, path) is None
 
 

@@ -34,6 +34,11 @@ output on a few hundred unlabelled images matches the full-precision network's):
 
 The :class:`CalibrationReport` gives each stage's residual, ``||stage(x) - target|| / ||target||`` over
 the calibration images, before and after the fit.
+
+This module is the fit; beside it: the depths and what is left as it is (``calibration_depths``),
+the passes without gradients (``calibration_passes``), the checks (``calibration_checks``), the
+report (``calibration_report``), the progress (``calibration_progress``), the images
+(``calibration_data``) and the activations' store (``calibration_store``).
 """
 
 from __future__ import annotations
@@ -41,39 +46,55 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from odeify.codegen.emit import StepGraph
-from odeify.compiler.conversion import check_converted, converted_stages, retarget, steps_at
-from odeify.compiler.source_network import source_network, unknown_source
+from odeify.compiler.conversion import converted_stages
+from odeify.compiler.source_network import source_network
 from odeify.core.errors import ConfigError
-from odeify.ir.settings import StepsSpec
-from odeify.ir.source_tensors import SOURCE_PREFIX, record_stage_source
+from odeify.ir.source_tensors import record_stage_source
 from odeify.runtime.stage import ODEStage
+from odeify.train.calibration_checks import check_arguments, check_objective, check_source_known
 from odeify.train.calibration_data import CalibrationData, calibration_images
+from odeify.train.calibration_depths import (
+    Depth,
+    DepthSpec,
+    at_depth,
+    nothing_to_fit,
+    resolve_depths,
+    runs_its_source,
+)
+from odeify.train.calibration_passes import (
+    Next,
+    Onward,
+    activations,
+    chunk_size,
+    constants,
+    memory_line,
+    segment_between,
+    stage_paths,
+    with_stage_calls,
+)
+from odeify.train.calibration_progress import FitProgress
+from odeify.train.calibration_report import LEFT_AS_EXACT, CalibrationReport, DepthFit, StageFit
 from odeify.train.calibration_store import MIB, Budget, Rows
-from odeify.train.manifestations import runs_as_converted
-from odeify.train.network_tail import graph_from, network_tail
+from odeify.train.network_tail import network_tail
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.peak_memory import EpochPeakMemory
 from odeify.train.progress import LOGGER
-from odeify.train.recipe import (
-    CALIBRATION_IMAGES,
-    CALIBRATION_OBJECTIVE,
-    CALIBRATION_OBJECTIVES,
-    CALIBRATION_STEPS,
-)
+from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_OBJECTIVE, CALIBRATION_STEPS
 
 __all__ = [
     "CalibrationReport",
     "DepthFit",
     "StageFit",
     "calibrate",
+    "check_objective",
 ]
 
 DEFAULT_LR = 1e-3
@@ -87,102 +108,7 @@ BACKWARD_FACTOR = 3
 """A fit micro-batch's peak, in units of what autograd saves for it: the saved tensors, the
 gradients of the activations in backward and the forward's temporaries. Measured on resnet50's
 layer1 at 224x224, half its steps: 2.5-3x (benchmarks/results/calibration_memory.md)."""
-WORKING_SET = 4
-"""Activations of one image alive at once in a forward pass without gradients, in units of the
-largest one (an input, its output, a shortcut, the allocator's slack): sizes the passes' chunks."""
 HEAD_ROOM = 1e-12  # a target this small in energy has nothing to match: the residual is reported as 0
-
-
-DepthSpec = StepsSpec | Mapping[str, StepsSpec]
-"""A depth as ``odeify.retarget(steps=...)`` takes it: an int, ``"native"``, a multiplier such as
-``"x0.5"``, or a {stage name: steps} dict (its stages left out keep theirs)."""
-
-
-@dataclass
-class DepthFit:
-    """One listed depth of a stage's fit: the stage's step count there, its output's relative residual
-    before and after, and the network output's where it was fitted too."""
-
-    depth: str
-    steps: int
-    before: float
-    after: float
-    output: tuple[float, float] | None = None
-
-    def __str__(self) -> str:
-        output = f", output residual {self.output[0]:.4f} -> {self.output[1]:.4f}" if self.output else ""
-        steps = f"{self.steps} step{'s' if self.steps != 1 else ''}"
-        return f"at {self.depth} ({steps}) residual {self.before:.4f} -> {self.after:.4f}{output}"
-
-
-LEFT_AS_SOURCE = "it runs its source stage's blocks as they are"
-LEFT_AS_EXACT = "it computes its source stage exactly: residual 0 on the calibration images"
-
-
-@dataclass
-class StageFit:
-    """One stage's calibration: its relative residual on the calibration images before and after;
-    None for a stage left as it is because it computes its source stage exactly (``why`` says how).
-    ``output``: the network output's relative residual before and after, where it was fitted too.
-    ``depths``: each listed depth's residuals, where ``calibrate`` was given ``steps``; ``before``,
-    ``after`` and ``output`` are then the first listed depth's."""
-
-    stage: str
-    before: float | None
-    after: float | None
-    iterations: int
-    seconds: float
-    output: tuple[float, float] | None = None
-    depths: list[DepthFit] = field(default_factory=list)
-    why: str = LEFT_AS_SOURCE
-
-    @property
-    def fitted(self) -> bool:
-        return self.before is not None
-
-    def __str__(self) -> str:
-        if not self.fitted:
-            return f"{self.stage}: left as it is ({self.why})"
-        if self.depths:
-            fits = "; ".join(str(depth) for depth in self.depths)
-            return f"{self.stage}: {fits} ({self.iterations} steps, {self.seconds:.1f} s)"
-        output = f", output residual {self.output[0]:.4f} -> {self.output[1]:.4f}" if self.output else ""
-        return (
-            f"{self.stage}: residual {self.before:.4f} -> {self.after:.4f}{output} "
-            f"({self.iterations} steps, {self.seconds:.1f} s)"
-        )
-
-
-@dataclass
-class CalibrationReport:
-    """What :func:`calibrate` did: the images, the time, the depths fitted (empty: the model's own),
-    and each stage's fit."""
-
-    images: int
-    seconds: float
-    stages: list[StageFit] = field(default_factory=list)
-    depths: list[str] = field(default_factory=list)
-    memory: tuple[float, float, float | None] | None = None
-    """The activations' memory budget and what was spilled to a temporary file (MiB), and the
-    process's peak memory during the calibration (MiB: resident on the CPU, allocated on a GPU; None
-    where unknown)."""
-
-    @property
-    def fit_seconds(self) -> float:
-        """The time in the stages' fits (their residuals before and after included)."""
-        return sum(fit.seconds for fit in self.stages)
-
-    def __str__(self) -> str:
-        at = f" at depths {', '.join(self.depths)}" if self.depths else ""
-        head = (
-            f"calibrated on {self.images} images{at} in {self.seconds:.1f} s (fits {self.fit_seconds:.1f} s)"
-        )
-        if self.memory is not None:
-            budget, spilled, peak = self.memory
-            on_disk = f", {spilled:.1f} MiB more in a temporary file" if spilled else ""
-            head += f", activations within {budget:g} MiB of memory{on_disk}"
-            head += f", peak memory {peak:.0f} MiB" if peak is not None else ""
-        return "\n".join([head + ":", *(f"  {fit}" for fit in self.stages)])
 
 
 def calibrate(
@@ -227,144 +153,158 @@ def calibrate(
     ``progress`` logs a line per stage (logger ``odeify``). Returns the calibrated model, in
     ``model``'s train/eval mode, and the :class:`CalibrationReport`.
     """
-    _check_arguments(model, images, seconds, iterations, lr, batch_size, seed, memory)
+    check_arguments(model, images, seconds, iterations, lr, batch_size, seed, memory)
     check_objective(objective, "calibrate's objective")
-    depths = _depths(model, steps)
-    own_source = source is None
-    if own_source:
-        _check_source_known(model)
-        source = source_network(model)
-    elif not converted_stages(source):
-        raise ConfigError("calibrate's source must be a converted model (odeify.convert) at native depth.")
-    started = time.perf_counter()
-    peak = EpochPeakMemory(next(model.parameters()).device)
-    peak.start()
-    work = _with_stage_calls(model)  # the copy that is fitted; the model's copy gets its tensors at the end
-    for stage in converted_stages(work):
-        record_stage_source(stage)  # its knots are its source only while they are the blocks'
-    reference = _with_stage_calls(source).eval()
-    del source  # the reference is the one copy of it kept (resnet50: each copy 100 MB and more)
-    paths, reference_paths = _stage_paths(work), _stage_paths(reference)
-    missing = [name for name in paths if name not in reference_paths]
-    if missing:
-        raise ConfigError(
-            f"calibrate's source has no stage {missing[0]!r}: it must be converted from the same network "
-            f"(its stages: {', '.join(reference_paths)})."
-        )
-    training = model.training
-    work.eval()
-    to_fit = [
-        name for name, path in paths.items()
-        if not all(
-            _runs_its_source(_at_depth(work, paths, depth).get_submodule(path),
-                             reference.get_submodule(reference_paths[name]))
-            for depth in depths
-        )
-    ]  # fmt: skip
-    if own_source and not to_fit:
-        raise ConfigError(_nothing_to_fit(model, depths, "Euler, one step and one constant knot per block"))
+    job = _Job.of(model, source, resolve_depths(model, steps))
     x = calibration_images(data, model, images, seed)
-    report = CalibrationReport(images=x.shape[0], seconds=0.0, depths=[d.label for d in depths if d.label])
-    generator = torch.Generator().manual_seed(seed)
+    report = CalibrationReport(
+        images=x.shape[0], seconds=0.0, depths=[d.label for d in job.depths if d.label]
+    )
     budget = Budget(memory)
-    chunk = _chunk(reference, x, memory, batch_size)
-    tails = {
-        name: network_tail(work, paths[name]) for name in to_fit if objective == "output"
-    }  # fmt: skip
-    wanted = {name: reference_paths[name] for name in to_fit}
-    targets, outputs = _activations(reference, wanted, x, chunk, "output", budget, any(tails.values()))
+    chunk = chunk_size(job.reference, x, memory, batch_size)
+    tails = {name: network_tail(job.work, job.paths[name]) for name in job.to_fit if objective == "output"}
+    wanted = {name: job.reference_paths[name] for name in job.to_fit}
+    targets, outputs = activations(job.reference, wanted, x, chunk, "output", budget, any(tails.values()))
     if progress:
-        LOGGER.info(_memory_line(budget, chunk, x.shape[0]))
-    names = list(paths)
-    carried: list[Rows] | None = None  # the stage's inputs at each depth, from the fit of the stage before
-    for index, (name, path) in enumerate(paths.items()):
-        fit = StageFit(name, None, None, 0, 0.0)
-        if name in to_fit:
-            stage = work.get_submodule(path)
-            if carried is None:
-                runs = [_run(work, paths, depth, name, x, chunk, budget) for depth in depths]
-            else:
-                runs = [
-                    _carried(work, paths, depth, name, rows, x)
-                    for depth, rows in zip(depths, carried, strict=True)
-                ]
-            following = names[index + 1] if index + 1 < len(names) else None
-            onward = None if following not in to_fit else _segment_between(work, path, paths[following])
-            share, stages_left = None, len(to_fit) - to_fit.index(name)
-            if seconds is not None:  # an equal share of what is left
-                share = max(0.0, seconds - (time.perf_counter() - started)) / stages_left
-            coordinates = SourceCoordinates(work, within=path)
-            tail = None if tails.get(name) is None else (tails[name].requires_grad_(False), outputs)
-            setting = _Setting(iterations, share, lr, batch_size, chunk, memory, generator)
-            target = targets.pop(name)
-            fit, carried = _fit_stage(
-                stage, coordinates, runs, target, setting, tail, _Onward(onward, budget)
-            )
-            for rows in (target, *(run.inputs for run in runs)):
-                rows.close()
-        else:
-            carried = None
-        report.stages.append(fit)
-        if progress:
-            LOGGER.info(f"calibration of {name} ({index + 1}/{len(paths)}):{str(fit).partition(':')[2]}")
-    if own_source and not any(fit.fitted for fit in report.stages):
-        raise ConfigError(
-            _nothing_to_fit(model, depths, "its residual against the source is 0 on the images")
-        )
-    del reference, targets, outputs
-    calibrated = copy.deepcopy(model)
-    for stage in converted_stages(calibrated):
-        record_stage_source(stage)
-    calibrated.load_state_dict(work.state_dict())
-    report.memory = (budget.nbytes / MIB, budget.spilled / MIB, peak.mib())
-    report.seconds = time.perf_counter() - started
-    fitted = {fit.stage for fit in report.stages if fit.fitted}
-    for stage in converted_stages(calibrated):
-        if stage.stage_name in fitted:
-            stage.fitted_steps = tuple(sorted({depth.steps[stage.stage_name] for depth in depths}))
-    return calibrated.train(training), report
+        LOGGER.info(memory_line(budget, chunk, x.shape[0]))
+    setting = _Setting(
+        iterations, seconds, lr, batch_size, chunk, memory, torch.Generator().manual_seed(seed)
+    )
+    job.fit_stages(x, report, setting, targets, (tails, outputs), budget, progress)
+    del targets, outputs
+    return job.finish(report, budget)
 
 
-@dataclass(frozen=True)
-class _Depth:
-    """One depth calibration fits: its label as the user wrote it (None: the model's own depth, no
-    ``steps`` given) and each stage's step count there."""
+@dataclass
+class _Job:
+    """One calibration: the model, the copy that is fitted (``work``, its stages called as modules),
+    the source's copy it is fitted to, each one's stage paths, the depths, and the stages to fit."""
 
-    label: str | None
-    steps: dict[str, int]
+    model: fx.GraphModule
+    work: fx.GraphModule
+    reference: fx.GraphModule
+    paths: dict[str, str]
+    reference_paths: dict[str, str]
+    depths: list[Depth]
+    to_fit: list[str]
+    own_source: bool
+    started: float
+    peak: EpochPeakMemory
 
-
-def _depths(model: fx.GraphModule, steps: object) -> list[_Depth]:
-    """The depths ``steps`` lists, each resolved to per-stage step counts as ``odeify.retarget`` resolves
-    it (:func:`~odeify.compiler.conversion.steps_at`, no copy of the model); the model's own depth where
-    ``steps`` is None."""
-    if steps is None:
-        return [_Depth(None, {s.stage_name: s.steps for s in converted_stages(model)})]
-    specs = [steps] if isinstance(steps, (str, int, Mapping)) else steps
-    if not isinstance(specs, Sequence) or not specs:
-        raise ConfigError(
-            f"calibrate's steps must be a list of depths such as ['native', 'x0.5'] (each an int, 'native', "
-            f"a multiplier 'x0.5' or a {{stage: steps}} dict), or None for the model's own; got {steps!r}."
-        )
-    depths: list[_Depth] = []
-    for spec in specs:
-        label = ", ".join(f"{k}={v}" for k, v in spec.items()) if isinstance(spec, Mapping) else str(spec)
-        counts = steps_at(model, spec)
-        same = [d.label for d in depths if d.steps == counts]
-        if same:
+    @classmethod
+    def of(cls, model: fx.GraphModule, source: nn.Module | None, depths: list[Depth]) -> _Job:
+        """The job, its stages that compute their source exactly at every depth left out; refuses a
+        source without ``model``'s stages, and a model with nothing to fit against its own source."""
+        own_source = source is None
+        if own_source:
+            check_source_known(model)
+            source = source_network(model)
+        elif not converted_stages(source):
             raise ConfigError(
-                f"calibrate's steps lists one depth twice: {same[0]!r} and {label!r} both give "
-                f"{counts} steps per stage; list each depth once (they weigh equally)."
+                "calibrate's source must be a converted model (odeify.convert) at native depth."
             )
-        depths.append(_Depth(label, counts))
-    return depths
+        started = time.perf_counter()
+        peak = EpochPeakMemory(next(model.parameters()).device)
+        peak.start()
+        work = with_stage_calls(model)  # the copy that is fitted; the model's gets its tensors at the end
+        for stage in converted_stages(work):
+            record_stage_source(stage)  # its knots are its source only while they are the blocks'
+        reference = with_stage_calls(source).eval()
+        del source  # the reference is the one copy of it kept (resnet50: each copy 100 MB and more)
+        paths, reference_paths = stage_paths(work), stage_paths(reference)
+        missing = [name for name in paths if name not in reference_paths]
+        if missing:
+            raise ConfigError(
+                f"calibrate's source has no stage {missing[0]!r}: it must be converted from the same "
+                f"network (its stages: {', '.join(reference_paths)})."
+            )
+        work.eval()
+        to_fit = [
+            name for name, path in paths.items()
+            if not all(
+                runs_its_source(at_depth(work, paths, depth).get_submodule(path),
+                                reference.get_submodule(reference_paths[name]))
+                for depth in depths
+            )
+        ]  # fmt: skip
+        if own_source and not to_fit:
+            raise ConfigError(
+                nothing_to_fit(model, depths, "Euler, one step and one constant knot per block")
+            )
+        return cls(model, work, reference, paths, reference_paths, depths, to_fit, own_source, started, peak)
 
+    def fit_stages(
+        self, x: torch.Tensor, report: CalibrationReport, setting: _Setting, targets: dict[str, Rows],
+        tails: tuple[dict[str, fx.GraphModule | None], torch.Tensor | None], budget: Budget, progress: bool,
+    ) -> None:  # fmt: skip
+        """Fit each stage in graph order, appending its fit to ``report``; each stage's inputs are
+        carried from the last pass of the stage fitted before it where the graph between allows."""
+        names = list(self.paths)
+        carried: list[Rows] | None = None  # the stage's inputs at each depth, from the stage before's fit
+        for index, name in enumerate(names):
+            fit, carried = StageFit(name, None, None, 0, 0.0), None if name not in self.to_fit else carried
+            if name in self.to_fit:
+                title = f"calibration of {name} ({index + 1}/{len(names)})"
+                following = names[index + 1] if index + 1 < len(names) else None
+                fit, carried = self._fit(name, following, x, carried, setting, targets.pop(name), tails,
+                                         budget, title if progress else None)  # fmt: skip
+            report.stages.append(fit)
+            if progress:
+                LOGGER.info(f"calibration of {name} ({index + 1}/{len(names)}):{str(fit).partition(':')[2]}")
+        if self.own_source and not any(fit.fitted for fit in report.stages):
+            raise ConfigError(
+                nothing_to_fit(self.model, self.depths, "its residual against the source is 0 on the images")
+            )
 
-def _at_depth(work: fx.GraphModule, paths: dict[str, str], depth: _Depth) -> fx.GraphModule:
-    """``work`` (calibration's copy, which calls its stages as modules) switched in place to ``depth``."""
-    for name, path in paths.items():
-        work.get_submodule(path).configure(steps=depth.steps[name])
-    return work
+    def _fit(
+        self, name: str, following: str | None, x: torch.Tensor, carried: list[Rows] | None,
+        setting: _Setting, target: Rows, tails: tuple[dict, torch.Tensor | None], budget: Budget,
+        title: str | None,
+    ) -> tuple[StageFit, list[Rows] | None]:  # fmt: skip
+        """Stage ``name``'s fit at every depth, and the next stage's inputs it carries (or None)."""
+        work, paths, path = self.work, self.paths, self.paths[name]
+        if carried is None:
+            runs = [_run(work, paths, depth, name, x, setting.chunk, budget) for depth in self.depths]
+        else:
+            runs = [
+                _carried(work, paths, d, name, rows, x) for d, rows in zip(self.depths, carried, strict=True)
+            ]
+        onward = None if following not in self.to_fit else segment_between(work, path, paths[following])
+        share = None
+        if setting.seconds is not None:  # an equal share of what is left
+            left = len(self.to_fit) - self.to_fit.index(name)
+            share = max(0.0, setting.seconds - (time.perf_counter() - self.started)) / left
+        tail = None if tails[0].get(name) is None else (tails[0][name].requires_grad_(False), tails[1])
+        labels = [run.depth or f"{run.steps} steps" for run in runs]
+        stage_setting = copy.copy(setting)
+        stage_setting.seconds = share
+        stage_setting.progress = FitProgress(
+            title or "", labels, setting.iterations, share, title is not None
+        )
+        coordinates = SourceCoordinates(work, within=path)
+        fit, carried = _fit_stage(
+            work.get_submodule(path), coordinates, runs, target, stage_setting, tail, Onward(onward, budget)
+        )
+        stage_setting.progress.close()
+        for rows in (target, *(run.inputs for run in runs)):
+            rows.close()
+        return fit, carried
+
+    def finish(self, report: CalibrationReport, budget: Budget) -> tuple[fx.GraphModule, CalibrationReport]:
+        """The calibrated model: a copy of the model with the fitted tensors, in its train/eval mode,
+        each fitted stage recording the step counts it was fitted for; the report completed."""
+        del self.reference
+        calibrated = copy.deepcopy(self.model)
+        for stage in converted_stages(calibrated):
+            record_stage_source(stage)
+        calibrated.load_state_dict(self.work.state_dict())
+        report.memory = (budget.nbytes / MIB, budget.spilled / MIB, self.peak.mib())
+        report.seconds = time.perf_counter() - self.started
+        fitted = {fit.stage for fit in report.stages if fit.fitted}
+        for stage in converted_stages(calibrated):
+            if stage.stage_name in fitted:
+                stage.fitted_steps = tuple(sorted({depth.steps[stage.stage_name] for depth in self.depths}))
+        return calibrated.train(self.model.training), report
 
 
 @dataclass
@@ -383,213 +323,25 @@ class _Run:
 def _run(
     work: fx.GraphModule,
     paths: dict[str, str],
-    depth: _Depth,
+    depth: Depth,
     name: str,
     x: torch.Tensor,
     chunk: int,
     budget: Budget,
 ) -> _Run:
     """Stage ``name`` of ``work`` switched to ``depth``, with its inputs there on ``x``."""
-    stage = _at_depth(work, paths, depth).get_submodule(paths[name])
-    inputs = _activations(work, {name: paths[name]}, x, chunk, "input", budget)[0][name]
-    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs, _constants(work, paths[name], x))
+    stage = at_depth(work, paths, depth).get_submodule(paths[name])
+    inputs = activations(work, {name: paths[name]}, x, chunk, "input", budget)[0][name]
+    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs, constants(work, paths[name], x))
 
 
 def _carried(
-    work: fx.GraphModule, paths: dict[str, str], depth: _Depth, name: str, inputs: Rows, x: torch.Tensor
+    work: fx.GraphModule, paths: dict[str, str], depth: Depth, name: str, inputs: Rows, x: torch.Tensor
 ) -> _Run:
     """Stage ``name`` of ``work`` switched to ``depth``, with the inputs there that the fit of the
     stage before computed (the same values a pass of the model gives, without running its prefix)."""
-    stage = _at_depth(work, paths, depth).get_submodule(paths[name])
-    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs, _constants(work, paths[name], x))
-
-
-def _constants(work: fx.GraphModule, path: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The constant inputs the stage at ``path`` is called with (a rotary ViT's position table), taken
-    from a pass of one image: they depend on the images' size, not on the images."""
-    if not work.get_submodule(path).inputs:
-        return ()
-    taken: list[torch.Tensor] = []
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        taken.extend(value.detach() for value in args[1:])
-        raise _Stop
-
-    handle = work.get_submodule(path).register_forward_pre_hook(hook)
-    try:
-        with torch.no_grad():
-            work(x[:1])
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    return tuple(taken)
-
-
-@torch.no_grad()
-def _chunk(model: nn.Module, x: torch.Tensor, memory: int, batch_size: int) -> int:
-    """Images per pass without gradients: ``batch_size``, or fewer where :data:`WORKING_SET` times
-    the largest activation of one image (a module's output, measured on one image) exceeds
-    ``memory``."""
-    largest = 0
-
-    def hook(module: nn.Module, args: tuple, output: object) -> None:
-        nonlocal largest
-        if isinstance(output, torch.Tensor):
-            largest = max(largest, output.numel() * output.element_size())
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if m is not model]
-    try:
-        model(x[:1])
-    finally:
-        for handle in handles:
-            handle.remove()
-    return max(1, min(batch_size, memory // max(1, WORKING_SET * largest)))
-
-
-def _memory_line(budget: Budget, chunk: int, images: int) -> str:
-    spilled = f"; {budget.spilled / MIB:.1f} MiB of targets in a temporary file" if budget.spilled else ""
-    return (
-        f"calibration holds at most {budget.nbytes / MIB:g} MiB of activations in memory (memory=), the "
-        f"rest in a temporary file{spilled}; passes of {chunk} of the {images} images"
-    )
-
-
-def _check_arguments(
-    model: object, images: object, seconds: object, iterations: object, lr: object, batch: object,
-    seed: object, memory: object,
-) -> None:  # fmt: skip
-    check_converted(model, "calibrate")
-    named = (("images", images), ("iterations", iterations), ("batch_size", batch), ("memory", memory))
-    for name, value in named:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"calibrate's {name} must be a positive integer; got {value!r}.")
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                or not math.isfinite(seconds) or seconds <= 0):  # fmt: skip
-        raise ConfigError(f"calibrate's seconds must be a positive number or None; got {seconds!r}.")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise ConfigError(f"calibrate's lr must be a positive number; got {lr!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ConfigError(f"calibrate's seed must be an integer in [0, 2^63); got {seed!r}.")
-
-
-def check_objective(objective: object, name: str) -> None:
-    """Refuse an objective calibration does not know (``name``: the argument, for the message)."""
-    if objective not in CALIBRATION_OBJECTIVES:
-        raise ConfigError(f"{name} must be one of {', '.join(CALIBRATION_OBJECTIVES)}; got {objective!r}.")
-
-
-def _check_source_known(model: fx.GraphModule) -> None:
-    """Refuse a model whose source network is not known."""
-    why = unknown_source(model)
-    if why is not None:
-        raise ConfigError(
-            f"calibration fits the stages to the model's source network, which is not known: {why}. Pass "
-            "source= (the source converted at native depth)."
-        )
-
-
-def _nothing_to_fit(model: fx.GraphModule, depths: list[_Depth], how: str) -> str:
-    """Why a model that computes its source network exactly at every depth asked is refused (one
-    rule, whatever makes it exact: native steps and knots, or knots that read as the blocks), and
-    what would give calibration something to fit, never the call that was just made."""
-    stages = converted_stages(model)
-    at = "its depth" if depths[0].label is None else f"depth{'s' if len(depths) > 1 else ''} "
-    at += ", ".join(d.label for d in depths if d.label)
-    said = (
-        f"calibration has nothing to fit: at {at} every stage of this model computes its source stage "
-        f"exactly ({how}), so the calibrated model would be this one. A model with fewer blocks than "
-        "the network it should match (a dropped-blocks student) is fitted to that network with source= "
-        "(CLI: odeify calibrate --source FILE)."
-    )
-    if all(s.depth == 1 for s in stages):
-        return (
-            f"{said} Every stage has one block, so no depth or knot count below its source's exists (a "
-            "multiplier such as x0.5 gives each stage its one step back): use the model as it is."
-        )
-    return (
-        f"{said} Calibrate a depth with fewer steps than blocks: steps=['x0.5'] or "
-        "odeify.retarget(model, steps='x0.5') (CLI: --calibrate-steps-set x0.5, or odeify retarget IN -o "
-        "OUT --steps x0.5 --calibrate DIR), or fewer knots (knots=2)."
-    )
-
-
-def _runs_its_source(stage: ODEStage, source: ODEStage) -> bool:
-    """Whether ``stage`` computes ``source`` (the same stage of the source network) exactly: Euler
-    (Lie-Trotter), one step and one constant knot per block, as many blocks as the source stage, and
-    the same tensors. Such a stage is left as it is. Fitting it too, to make up for the coarse stages
-    before it, took about 2.5x the time at half the steps for no gain on the converted model
-    (resnet18: 98.33 / 98.33% either way; resnetv2_18: 98.89 / 98.89% left, 99.44 / 98.61% fitted;
-    docs/calibration.md)."""
-    if not (runs_as_converted(stage) and stage.depth == source.depth):
-        return False
-    mine, theirs = (
-        {k: v for k, v in s.state_dict().items() if not k.startswith(SOURCE_PREFIX)} for s in (stage, source)
-    )  # the tensors it computes with, not its record of where they started
-    return mine.keys() == theirs.keys() and all(torch.equal(mine[key], theirs[key]) for key in mine)
-
-
-def _with_stage_calls(model: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``model`` whose graph calls each stage as a module (``checkpoint`` stages), so that a
-    hook sees the stage's input and output; the same function as ``model``."""
-    return retarget(model, backward={s.stage_name: "checkpoint" for s in converted_stages(model)})
-
-
-def _stage_paths(model: nn.Module) -> dict[str, str]:
-    """Each stage's module path, by stage name, in graph order."""
-    paths = {id(m): path for path, m in model.named_modules() if isinstance(m, ODEStage)}
-    return {s.stage_name: paths[id(s)] for s in converted_stages(model)}
-
-
-class _Stop(Exception):
-    """Raised by a hook once the activations wanted are taken: the rest of the forward is not needed."""
-
-
-@torch.no_grad()
-def _activations(
-    model: nn.Module,
-    paths: dict[str, str],
-    x: torch.Tensor,
-    chunk: int,
-    which: str,
-    budget: Budget,
-    output: bool = False,
-) -> tuple[dict[str, Rows], torch.Tensor | None]:
-    """The ``input`` or ``output`` of each named stage of ``model`` on ``x``, ``chunk`` images at a
-    time, as :class:`Rows` within ``budget``; with ``output``, the model's outputs too (the pass then
-    runs to the end: one pass of the source gives every stage's target and the network's output)."""
-    taken: dict[str, Rows] = {}
-    if not paths:
-        return taken, None
-    last = list(paths)[-1]
-
-    def hook_for(name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor | None = None) -> None:
-            value = (args[0] if which == "input" else out).detach()
-            if name not in taken:
-                taken[name] = budget.rows(x.shape[0], value)
-            taken[name].append(value)
-            if name == last and not output:
-                raise _Stop
-
-        return hook
-
-    handles = []
-    for name, path in paths.items():
-        module = model.get_submodule(path)
-        register = module.register_forward_pre_hook if which == "input" else module.register_forward_hook
-        handles.append(register(hook_for(name)))
-    outputs = []
-    try:
-        for batch in x.split(chunk):
-            try:
-                outputs.append(model(batch))
-            except _Stop:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return taken, (torch.cat(outputs) if output else None)
+    stage = at_depth(work, paths, depth).get_submodule(paths[name])
+    return _Run(depth.label, stage.steps, stage.unrolled_graph(), inputs, constants(work, paths[name], x))
 
 
 Tail = tuple[fx.GraphModule, torch.Tensor]
@@ -608,6 +360,7 @@ class _Setting:
     chunk: int
     memory: int
     generator: torch.Generator
+    progress: FitProgress | None = None
 
 
 def _fit_stage(
@@ -617,7 +370,7 @@ def _fit_stage(
     target: Rows,
     setting: _Setting,
     tail: Tail | None,
-    onward: _Onward,
+    onward: Onward,
 ) -> tuple[StageFit, list[Rows] | None]:
     """Fit ``stage``'s knots (in source coordinates) so that the stage on each run's inputs, at the
     run's depth, matches ``target`` (and, with a ``tail``, the network's output matches the source's):
@@ -655,20 +408,24 @@ def _fit_stage(
         wanted = [target.take(part) for part in parts] if len(parts) == 1 else None
         energy = _energy(wanted or (target.take(part) for part in parts))
         output_energy = _energy([tail[1][pick]]) if tail is not None else None
+        errors = [0.0] * len(runs)  # each depth's on this batch, for the progress
         for i, part in enumerate(parts):
             goal = wanted[i] if wanted is not None else target.take(part)
             loss = None
-            for run in runs:  # equal weights on the depths' relative errors (calibrate's docstring says why)
+            for j, run in enumerate(runs):  # equal weights on the depths' relative errors (see calibrate)
                 h = stage.run_graph(run.graph, (run.inputs.take(part),), inputs=run.constants)
                 term = (h - goal).pow(2).sum() / energy
                 if tail is not None:
                     term = term + (tail[0](h) - tail[1][part]).pow(2).sum() / output_energy
+                errors[j] += float(term.detach())
                 loss = term if loss is None else loss + term
             loss.backward()
         coordinates.pull()
         optimizer.step()
         coordinates.push()
         done += 1
+        if setting.progress is not None:
+            setting.progress.step(errors)
     nexts = [onward.rows(target.n) for _ in runs]
     after = [
         _residuals(stage, run, target, setting.chunk, tail, then)
@@ -753,62 +510,9 @@ def _total(per_depth: list[Residuals]) -> float:
     return sum(_objective(residuals) for residuals in per_depth)
 
 
-def _segment_between(model: fx.GraphModule, path: str, following: str) -> fx.GraphModule | None:
-    """A graph module ``h -> the input of the stage at module path following``, where ``h`` is the
-    output of the stage at ``path`` (a ResNet's downsampling block between them); None where that
-    input depends on more than ``h`` (a value from before the stage crosses it). ``model`` calls its
-    stages as modules, once each (calibration's copy)."""
-    nodes = list(model.graph.nodes)
-    calls = {
-        n.target: i for i, n in enumerate(nodes) if n.op == "call_module" and n.target in (path, following)
-    }
-    counts = [n.target for n in nodes if n.op == "call_module"]
-    if counts.count(path) != 1 or counts.count(following) != 1 or calls[following] < calls[path]:
-        return None
-    call = nodes[calls[following]]
-    if len(call.args) != 1 or call.kwargs or not isinstance(call.args[0], fx.Node):
-        return None
-    copy = graph_from(nodes[calls[path]], nodes[calls[path] + 1 : calls[following]])
-    if copy is None or call.args[0] not in copy[1]:
-        return None
-    graph, copied = copy
-    graph.output(copied[call.args[0]])
-    return fx.GraphModule(model, graph)
-
-
-class _Onward:
-    """What the next stage's inputs are taken with: the graph from the stage's output to them
-    (:func:`segment_between`; None: not taken), and the budget they are held in."""
-
-    def __init__(self, segment: fx.GraphModule | None, budget: Budget) -> None:
-        self.segment, self.budget = segment, budget
-
-    def rows(self, n: int) -> _Next:
-        return _Next(self, n)
-
-
-class _Next:
-    """The next stage's inputs at one depth, taken batch by batch from the stage's outputs."""
-
-    def __init__(self, onward: _Onward, n: int) -> None:
-        self.onward, self.n, self.rows = onward, n, None
-
-    def add(self, h: torch.Tensor) -> None:
-        if self.onward.segment is None:
-            return
-        value = self.onward.segment(h)
-        if self.rows is None:
-            self.rows = self.onward.budget.rows(self.n, value)
-        self.rows.append(value)
-
-    def close(self) -> None:
-        if self.rows is not None:
-            self.rows.close()
-
-
 @torch.no_grad()
 def _residuals(
-    stage: ODEStage, run: _Run, target: Rows, chunk: int, tail: Tail | None, then: _Next | None = None
+    stage: ODEStage, run: _Run, target: Rows, chunk: int, tail: Tail | None, then: Next | None = None
 ) -> Residuals:
     """``||stage(inputs) - target|| / ||target||`` at the run's depth over all the calibration images,
     and the same of the network's output against the source's where a ``tail`` is given; ``then``
