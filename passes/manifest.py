@@ -156,6 +156,7 @@ def _change_knots(stage: StageIR, count: int, basis: str | None) -> None:
     fit_basis = new_basis if count < old_count else old_basis
     if count != old_count or new_basis != old_basis:
         stage.fitted_steps = None  # another weight path: what the knots were fitted for no longer holds
+        stage.drop_corrections()  # corrections of knots that are no longer there
     if count != old_count:
         record_stage_source(stage)  # the blocks' own knots: what the model needs to run its source
     with torch.no_grad():

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from odeify.ir.meta import tag
-from odeify.ir.stage_ir import Slot, StageIR, template_inputs
+from odeify.ir.stage_ir import CORRECTION_PREFIX, Slot, StageIR, template_inputs
 from odeify.numerics.schemes import Add, Evaluate, Op, Reflect, ReversibleScheme
 from odeify.numerics.tableaus import TABLEAUS, Splitting, Tableau
 
@@ -56,13 +56,7 @@ class StageWriter:
         self.tag = stage.stage_name.replace(".", "_")
         self.window = window or slice(0, stage.num_knots)
         self.used_knots: set[int] = set()
-        if knot_inputs is None:
-            knot_inputs = {
-                slot.name: self.attr(stage.slot_attr(slot), f"{self.tag}_{slot.name}")
-                for slot in stage.slots
-                if slot.kind != "shared"
-            }
-        self.knot_inputs = knot_inputs
+        self.knot_inputs = self._own_knots() if knot_inputs is None else knot_inputs
         self._weights: dict[tuple, list[fx.Node]] = {}
         self._fields: dict[tuple, fx.Node] = {}
         self._knots: dict[tuple[str, int], fx.Node] = {}
@@ -70,6 +64,25 @@ class StageWriter:
         self._weight_nodes: list[fx.Node] = []  # knot reads and mixes, in the order made
         self.evaluations = 0
         self.field_writers: list[StageWriter] | None = None  # a split stage's, made by field_writers()
+
+    def _own_knots(self) -> dict[str, fx.Node]:
+        """get_attr nodes of the stage's own knot stacks; at a step count the stage holds a correction
+        for, each trainable stack detached plus its correction (as :meth:`StageIR.knot_tensors`)."""
+        stage = self.stage
+        correction = stage.correction()
+        stacks = {}
+        for slot in stage.slots:
+            if slot.kind == "shared":
+                continue
+            name = f"{self.tag}_{slot.name}"
+            stack = self.attr(stage.slot_attr(slot), name)
+            if correction is not None and slot.name in correction:
+                key = f"{CORRECTION_PREFIX}{stage.steps}"
+                fixed = self.node("call_method", "detach", (stack,), name=f"{name}_fixed")
+                delta = self.attr(f"corrections.{key}.{slot.name}", f"{name}_correction")
+                stack = self.node("call_function", operator.add, (fixed, delta), name=f"{name}_corrected")
+            stacks[slot.name] = stack
+        return stacks
 
     # -- node creation -------------------------------------------------------------------------
     def node(

@@ -229,6 +229,13 @@ def set_steps(converted: fx.GraphModule, steps: StepsSpec) -> fx.GraphModule:
     return gm
 
 
+def relower(converted: fx.GraphModule) -> fx.GraphModule:
+    """Emit ``converted``'s stages again **in place**, every setting kept: after a change the emitted
+    graph reads (a stage's per-depth knot correction added or dropped); returns the model."""
+    job = Job(gm=converted, settings_for=_settings({}, fill=False), whole_model=has_segments(converted))
+    return REMANIFEST.run(job).gm
+
+
 def steps_at(converted: fx.GraphModule, steps: StepsSpec) -> dict[str, int]:
     """Each stage's step count at the depth ``steps`` (as :func:`retarget` and :func:`set_steps` take it,
     refused as they refuse it), without changing or copying the model."""

@@ -67,4 +67,5 @@ def source_network(model: fx.GraphModule) -> fx.GraphModule:
     drop_sources(teacher)
     for stage in converted_stages(teacher):
         stage.fitted_steps = None  # the blocks' own knots
+        stage.drop_corrections()  # never read at native steps
     return teacher.eval().requires_grad_(False)

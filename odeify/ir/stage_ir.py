@@ -34,6 +34,9 @@ from odeify.ir.settings import (
 from odeify.numerics.bases import get_basis
 from odeify.numerics.tableaus import Integrator, ReversibleScheme, Splitting, resolve_integrator
 
+CORRECTION_PREFIX = "steps_"
+"""A correction's key in :attr:`StageIR.corrections`: ``steps_<n>``, the step count it is read at."""
+
 
 def _setting(name: str, doc: str) -> property:
     """A read-only view of one field of a stage's ``settings`` (change them with ``configure``)."""
@@ -88,6 +91,9 @@ class StageIR(nn.Module):
         self.fitted_steps: tuple[int, ...] | None = None
         """The step counts this stage's knots were fitted for (by calibration or fine-tuning at those
         depths), or None: never fitted, the knots are the blocks' own or a least-squares weight path."""
+        self.corrections = nn.ModuleDict()
+        """Per-depth corrections of the knots: ``steps_<n>`` -> one tensor per trainable slot, added to
+        the knots while the stage runs ``n`` steps (see :meth:`knot_tensors`)."""
         self.knots = nn.ParameterDict()
         for slot in self.slots:
             tensor = tensors[slot.name]
@@ -195,8 +201,65 @@ class StageIR(nn.Module):
         return f"knots.{slot.name}" if slot.kind == "param" else f"{slot.kind}_{slot.name}"
 
     def knot_tensors(self) -> list[torch.Tensor]:
-        """Every time-dependent tensor, in slot order: the inputs the step graphs take."""
-        return [self.slot_tensor(s) for s in self.slots if s.kind != "shared"]
+        """Every time-dependent tensor, in slot order: the inputs the step graphs take.
+
+        At a step count with a correction (:meth:`correction`) a trainable slot reads its knots plus
+        the correction, the knots detached: that depth's gradient trains its correction alone, so
+        training it leaves every other depth's weights as they were."""
+        correction = self.correction()
+        return [
+            self.slot_tensor(s).detach() + correction[s.name]
+            if correction is not None and s.name in correction
+            else self.slot_tensor(s)
+            for s in self.slots
+            if s.kind != "shared"
+        ]
+
+    # -- per-depth corrections -----------------------------------------------------------------
+    @property
+    def corrected_steps(self) -> tuple[int, ...]:
+        """The step counts this stage holds a knot correction for, in increasing order."""
+        return tuple(sorted(int(key.removeprefix(CORRECTION_PREFIX)) for key in self.corrections))
+
+    def correction(self, steps: int | None = None) -> nn.ParameterDict | None:
+        """The correction read at ``steps`` (default: the stage's own step count), or None."""
+        key = f"{CORRECTION_PREFIX}{self.steps if steps is None else steps}"
+        return self.corrections[key] if key in self.corrections else None  # type: ignore[return-value]
+
+    def set_correction(self, steps: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold ``tensors`` (one per trainable slot, each its knot stack's shape) as the correction
+        read at ``steps``; replaces one held there."""
+        if steps == self.depth:
+            raise ConfigError(
+                f"stage '{self.stage_name}': native depth ({steps} steps) reads the knots themselves; a "
+                "correction is for another depth."
+            )
+        names = [s.name for s in self.slots if s.kind == "param"]
+        if sorted(tensors) != sorted(names):
+            raise ConfigError(
+                f"stage '{self.stage_name}': a correction has one tensor per trainable slot "
+                f"({', '.join(names)}), got {', '.join(sorted(tensors)) or 'none'}."
+            )
+        for name in names:
+            if tensors[name].shape != self.knots[name].shape:
+                raise ConfigError(
+                    f"stage '{self.stage_name}': the correction of {name} has shape "
+                    f"{tuple(tensors[name].shape)}, its knots {tuple(self.knots[name].shape)}."
+                )
+        self.corrections[f"{CORRECTION_PREFIX}{steps}"] = nn.ParameterDict(
+            {
+                name: nn.Parameter(tensors[name], requires_grad=self.knots[name].requires_grad)
+                for name in names
+            }
+        )
+
+    def drop_corrections(self) -> None:
+        """Forget every correction (the knots change meaning: refitted, or the source's again)."""
+        self.corrections = nn.ModuleDict()
+
+    def weight_parameters(self) -> list[nn.Parameter]:
+        """The trainable tensors the knot inputs come from: the knots and every correction."""
+        return [*self.knots.values(), *(p for c in self.corrections.values() for p in c.parameters())]
 
     def reversible_scheme(self) -> ReversibleScheme | None:
         """The register program of a reversible integrator (the integrator itself here), else None."""

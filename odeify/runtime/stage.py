@@ -112,7 +112,8 @@ def integrate_with_adjoint(
     _check_batchnorm(stage)
     _check_inputs(stage, inputs)
     knots = stage.knot_tensors()
-    extras = [p for p in stage.parameters() if p.requires_grad and not any(p is k for k in knots)]
+    weights = {id(p) for p in stage.weight_parameters()}  # reach the step graphs as the knot inputs
+    extras = [p for p in stage.parameters() if p.requires_grad and id(p) not in weights]
     if not (x.requires_grad or any(t.requires_grad for t in (*knots, *extras))):
         with torch.no_grad():
             return stage(x, *inputs)

@@ -64,6 +64,7 @@ class StageRecipe:
     backward: str
     checkpoint_every: int
     fitted_steps: tuple[int, ...] | None = None  # the steps its knots were fitted for; None: never fitted
+    corrected_steps: tuple[int, ...] | None = None  # the steps it holds a knot correction for; None: none
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,11 @@ class Recipe:
         if body["steps_multiplier"] is None:  # written only where asked, so other files stay as before
             del body["steps_multiplier"]
         for stage in body["stages"]:  # written only where known, so files of unfitted models stay as before
-            if stage["fitted_steps"] is None:
-                del stage["fitted_steps"]
-            else:
-                stage["fitted_steps"] = list(stage["fitted_steps"])
+            for key in ("fitted_steps", "corrected_steps"):
+                if stage[key] is None:
+                    del stage[key]
+                else:
+                    stage[key] = list(stage[key])
         return body
 
     def to_json(self) -> str:
@@ -194,6 +196,7 @@ def _stage_recipe(stage: Any, module: str) -> StageRecipe:
         backward=stage.backward,
         checkpoint_every=getattr(stage, "checkpoint_every", 1),
         fitted_steps=getattr(stage, "fitted_steps", None),
+        corrected_steps=stage.corrected_steps or None,
     )
 
 

@@ -197,20 +197,20 @@ def _input_shape(value: object) -> tuple[int, ...]:
     return tuple(value)  # type: ignore[arg-type]
 
 
-def _fitted_steps(value: object, at: str) -> tuple[int, ...] | None:
-    """A stage's fitted step counts: absent, or a sorted list of distinct step counts."""
+def _fitted_steps(value: object, at: str, key: str = "fitted_steps") -> tuple[int, ...] | None:
+    """A stage's fitted (or corrected) step counts: absent, or a sorted list of distinct step counts."""
     if value is None:
         return None
     ok = isinstance(value, list) and 1 <= len(value) <= MAX_FITTED_DEPTHS
     ok = ok and all(_is_int(v, 1, MAX_STEPS) for v in value) and value == sorted(set(value))
-    _expect(ok, f"{at}: fitted_steps must be a sorted list of 1 to {MAX_FITTED_DEPTHS} distinct step counts")
+    _expect(ok, f"{at}: {key} must be a sorted list of 1 to {MAX_FITTED_DEPTHS} distinct step counts")
     return tuple(value)  # type: ignore[arg-type]
 
 
 def _stages(value: object) -> tuple[StageRecipe, ...]:
     _expect(isinstance(value, list) and 1 <= len(value) <= MAX_STAGES, f"stages: a list of 1 to {MAX_STAGES}")
     keys = {f.name for f in fields(StageRecipe)}
-    optional = {"fitted_steps"}
+    optional = {"fitted_steps", "corrected_steps"}
     stages = []
     for i, entry in enumerate(value):  # type: ignore[arg-type]
         at = f"stage {i}"
@@ -233,7 +233,13 @@ def _stages(value: object) -> tuple[StageRecipe, ...]:
         _choice(entry["basis"], BASES, f"{at}: basis")
         _choice(entry["backward"], BACKWARD_MODES, f"{at}: backward")
         _integrator(entry["integrator"], at)
-        entry = {**entry, "fitted_steps": _fitted_steps(entry.get("fitted_steps"), at)}
+        fitted = _fitted_steps(entry.get("fitted_steps"), at)
+        corrected = _fitted_steps(entry.get("corrected_steps"), at, "corrected_steps")
+        _expect(
+            corrected is None or set(corrected) <= set(fitted or ()),
+            f"{at}: corrected_steps must be among its fitted_steps (a correction is fitted for its depth)",
+        )
+        entry = {**entry, "fitted_steps": fitted, "corrected_steps": corrected}
         stages.append(StageRecipe(**entry))
     names = [s.name for s in stages]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.compiler.conversion import check_materialized, converted_stages, guard_input_dtype
+from odeify.compiler.conversion import check_materialized, converted_stages, guard_input_dtype, relower
 from odeify.compiler.pipeline import Job
 from odeify.compiler.pipelines import CONVERT
 from odeify.compiler.record import META
@@ -205,10 +205,13 @@ def load(
     state = read_tensors(path, ModelLoadError, _WRITTEN_BY_SAVE)
     probe = {k: state.pop(k) for k in [k for k in state if k.startswith(PROBE_PREFIX)]}
     _match_training_records(converted, state, path, recipe.version, verify)
+    _restore_corrections(converted, recipe)
     _check_tensors(converted, state, path)
     converted.load_state_dict(state, strict=True)
     check_fold_records(converted, source, path)
     _restore_fitted_steps(converted, recipe)
+    if any(stage.correction() is not None for stage in converted_stages(converted)):
+        relower(converted)  # its graph reads the corrections loaded at the stages' own depth
     _restore_multiplier(converted, recipe)
     if recipe.pretrained_cfg:
         converted.pretrained_cfg = {**converted.pretrained_cfg, **recipe.pretrained_cfg}
@@ -223,6 +226,17 @@ def load(
             stacklevel=2,
         )
     return converted.eval()
+
+
+def _restore_corrections(converted: nn.Module, recipe: Recipe) -> None:
+    """Give each stage the per-depth knot corrections its recipe records, zero until the file's
+    tensors are loaded into them (their names and shapes are checked with every other tensor's)."""
+    corrected = {entry.name: entry.corrected_steps or () for entry in recipe.stages}
+    for stage in converted_stages(converted):
+        for steps in corrected[stage.stage_name]:
+            stage.set_correction(
+                steps, {name: torch.zeros_like(knots) for name, knots in stage.knots.items()}
+            )
 
 
 def _restore_fitted_steps(converted: nn.Module, recipe: Recipe) -> None:

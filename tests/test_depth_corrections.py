@@ -1,0 +1,135 @@
+"""Per-depth knot corrections: what a stage reads at a corrected depth, in every backward mode, what
+training there changes, and what save and load keep.
+
+The oracles: a copy of the model whose knots hold the corrected values themselves (the same
+additions in the same order, so equal to the bit), and the model before the correction (native
+depth must not move).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import odeify
+from odeify.core.errors import ConfigError, ModelLoadError
+from odeify.models import DEFAULT_MODEL_PATH
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODES = [
+    ("euler", "backprop"),
+    ("euler", "checkpoint"),
+    ("euler", "reverse"),
+    ("reversible_heun", "reversible"),
+]
+
+
+@pytest.fixture(scope="module")
+def native() -> nn.Module:
+    """The shipped digits ResNet (trained; stages of 4 and 3 blocks), converted."""
+    return odeify.convert(odeify.load_model(DEFAULT_MODEL_PATH))
+
+
+def _with_correction(native: nn.Module, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """(the model at half depth holding a random correction there, a copy whose knots hold the
+    corrected values instead)."""
+    model = copy.deepcopy(native)
+    odeify.set_steps(model, "x0.5")
+    oracle = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    for stage, twin in zip(odeify.converted_stages(model), odeify.converted_stages(oracle), strict=True):
+        delta = {
+            name: 0.05 * knots.detach().abs().mean() * torch.randn(knots.shape, generator=generator)
+            for name, knots in stage.knots.items()
+        }
+        stage.set_correction(stage.steps, delta)
+        with torch.no_grad():
+            for name, knots in twin.knots.items():
+                knots.copy_(knots.detach() + delta[name])
+    return odeify.compiler.conversion.relower(model), oracle
+
+
+def _images(n: int = 8) -> torch.Tensor:
+    return torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.filterwarnings("ignore::odeify.FallbackWarning")  # reverse redoes its pass exactly
+@pytest.mark.parametrize(("integrator", "backward"), MODES)
+def test_a_corrected_depth_reads_knots_plus_correction_and_trains_the_correction(
+    native: nn.Module, integrator: str, backward: str
+) -> None:
+    """At the corrected depth the output and the correction's gradient are the oracle's (its knots'
+    gradient), to the bit; the knots get no gradient from that depth."""
+    model, oracle = _with_correction(native)
+    model = odeify.retarget(model, integrator=integrator, backward=backward).train()
+    oracle = odeify.retarget(oracle, integrator=integrator, backward=backward).train()
+    x = _images()
+    out, expected = model(x), oracle(x)
+    assert torch.equal(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for stage, twin in zip(odeify.converted_stages(model), odeify.converted_stages(oracle), strict=True):
+        correction = stage.correction()
+        assert correction is not None
+        for name, knots in stage.knots.items():
+            assert knots.grad is None
+            assert torch.equal(correction[name].grad, twin.knots[name].grad)
+
+
+def test_native_depth_reads_the_knots_as_they_are(native: nn.Module) -> None:
+    """A model holding corrections computes, at native depth, what it computed before them."""
+    model, _ = _with_correction(native)
+    odeify.set_steps(model, "native")
+    x = _images()
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), native.eval()(x))
+    assert "correction" not in model.code
+
+
+def test_save_and_load_keep_the_corrections(native: nn.Module, tmp_path: Path) -> None:
+    """save -> load gives the corrections back, read at their depth; the recipe lists them."""
+    model, oracle = _with_correction(native)
+    for stage in odeify.converted_stages(model):
+        stage.fitted_steps = (stage.steps, stage.depth)
+    path = tmp_path / "any.safetensors"
+    odeify.save(model.eval(), path)
+    back = odeify.load(path)
+    x = _images()
+    with torch.no_grad():
+        assert torch.equal(back(x), oracle.eval()(x))
+        odeify.set_steps(back, "native")
+        assert torch.equal(back(x), native.eval()(x))
+    assert [s.corrected_steps for s in odeify.converted_stages(back)] == [
+        (s.steps,) for s in odeify.converted_stages(model)
+    ]
+
+
+def test_a_recipe_naming_a_correction_the_file_lacks_is_refused(native: nn.Module, tmp_path: Path) -> None:
+    """A recipe that names a correction the file holds no tensors for is refused, naming them."""
+    model, _ = _with_correction(native)
+    for stage in odeify.converted_stages(model):
+        stage.fitted_steps = (stage.steps, stage.depth)
+    path = tmp_path / "any.safetensors"
+    odeify.save(model.eval(), path)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys() if ".corrections." not in k}
+    broken = tmp_path / "broken.safetensors"
+    save_file(tensors, str(broken), metadata=meta)
+    with pytest.raises(ModelLoadError, match="missing .*corrections"):
+        odeify.load(broken)
+
+
+def test_native_depth_takes_no_correction(native: nn.Module) -> None:
+    """Native depth reads the knots themselves: a correction there is refused."""
+    stage = odeify.converted_stages(copy.deepcopy(native))[0]
+    with pytest.raises(ConfigError, match="native depth"):
+        stage.set_correction(stage.depth, {n: torch.zeros_like(k) for n, k in stage.knots.items()})
