@@ -83,6 +83,7 @@ from odeify.train.calibration_passes import (
 from odeify.train.calibration_progress import FitProgress
 from odeify.train.calibration_report import LEFT_AS_EXACT, CalibrationReport, DepthFit, StageFit
 from odeify.train.calibration_store import MIB, Budget, Rows
+from odeify.train.depth_corrections import calibrate_each_depth
 from odeify.train.network_tail import network_tail
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.peak_memory import EpochPeakMemory
@@ -130,21 +131,20 @@ def calibrate(
     """A new model of ``model``'s manifestation whose stages match the source network's on ``data``.
 
     ``data``: unlabelled images (see :func:`odeify.train.calibration_data.calibration_images`); a
-    seeded choice of ``images`` of them is read. ``steps``: the depths to fit one set of knots for,
-    each as ``odeify.retarget(steps=...)`` takes it (``["native", "x0.5", "x0.25"]``; one spec alone
-    is a list of one); None (the default) fits the depth the model runs at. Each stage's objective is
-    then the sum over the depths of its objective at that depth, the stage's input being the
-    calibrated model's own activation at that depth. The depths weigh equally, on relative errors:
-    the target is the same for all, so this is the plain squared error summed over depths, in which a
-    coarse depth, whose residual is the largest, leads the fit, while a depth near the source (native,
-    residual 0 at the start) pulls back as soon as the knots leave it; no depth is favoured but by
-    how far it is from the source. The model keeps the depth it runs at; a stage is fitted unless it
-    computes its source stage exactly at every listed depth, and each stage fitted records the step
-    counts it was fitted for (``stage.fitted_steps``).
+    seeded choice of ``images`` of them is read. ``steps``: the depths to fit, each as
+    ``odeify.retarget(steps=...)`` takes it (``["native", "x0.5", "x0.25"]``; one spec alone is a list
+    of one); None (the default) fits the depth the model runs at, and one depth fits the knots
+    themselves. Two or more depths leave the knots as they are, so native depth still computes what
+    it did, and give each stage, at each other listed depth, a correction of its own
+    (:mod:`odeify.train.depth_corrections`), fitted as a calibration for that depth alone fits: no
+    depth is paid for by another. The model keeps the depth it runs at; a stage is fitted unless it
+    computes its source stage exactly, and each stage fitted records the step counts it was fitted
+    for (``stage.fitted_steps``).
     ``source``: the network whose activations each stage is fitted to, a converted model at native
     depth with the same stage names (default: the source network ``model`` keeps; a model that
     computes that network exactly at every depth asked is refused). ``seconds`` caps the whole fit
-    (each stage gets an equal share of what is left); ``iterations`` caps each stage. ``objective``:
+    (each depth and each stage gets an equal share of what is left); ``iterations`` caps each stage.
+    ``objective``:
     ``"output"`` (the default) fits each stage's output and, on the network's last stage, the
     network's output too (where nothing but the stage's output reaches the head; elsewhere the stage
     loss); ``"stage"`` fits each stage's output only. ``memory``: the bytes of activations held in
@@ -155,22 +155,62 @@ def calibrate(
     """
     check_arguments(model, images, seconds, iterations, lr, batch_size, seed, memory)
     check_objective(objective, "calibrate's objective")
-    job = _Job.of(model, source, resolve_depths(model, steps))
-    x = calibration_images(data, model, images, seed)
+    depths = resolve_depths(model, steps)
+    share = None if seconds is None or len(depths) == 1 else seconds / (len(depths) - 1)
+    options = _Options(data, images, share if len(depths) > 1 else seconds, iterations, lr, batch_size,
+                       seed, source, objective, memory, progress)  # fmt: skip
+    if len(depths) == 1:
+        fitted = _calibrate(model, depths, frozenset(), options, alone=True)
+        assert fitted is not None  # alone, a calibration with nothing to fit is refused
+        return fitted
+    return calibrate_each_depth(
+        model, depths, lambda at, depth, kept: _calibrate(at, [depth], kept, options, alone=False)
+    )
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What :func:`calibrate` was asked, besides the model and its depths."""
+
+    data: CalibrationData
+    images: int
+    seconds: float | None
+    iterations: int
+    lr: float
+    batch_size: int
+    seed: int
+    source: nn.Module | None
+    objective: str
+    memory: int
+    progress: bool
+
+
+def _calibrate(
+    model: fx.GraphModule, depths: list[Depth], kept: frozenset[str], options: _Options, alone: bool
+) -> tuple[fx.GraphModule, CalibrationReport] | None:
+    """Calibrate ``model`` for ``depths`` (one set of knots), the stages in ``kept`` left as they are.
+    ``alone``: a calibration with nothing to fit is refused, naming why; else it returns None."""
+    job = _Job.of(model, options.source, depths, kept, alone)
+    if job is None:
+        return None
+    x = calibration_images(options.data, model, options.images, options.seed)
     report = CalibrationReport(
         images=x.shape[0], seconds=0.0, depths=[d.label for d in job.depths if d.label]
     )
-    budget = Budget(memory)
-    chunk = chunk_size(job.reference, x, memory, batch_size)
-    tails = {name: network_tail(job.work, job.paths[name]) for name in job.to_fit if objective == "output"}
+    budget = Budget(options.memory)
+    chunk = chunk_size(job.reference, x, options.memory, options.batch_size)
+    tails = {
+        name: network_tail(job.work, job.paths[name]) for name in job.to_fit if options.objective == "output"
+    }  # fmt: skip
     wanted = {name: job.reference_paths[name] for name in job.to_fit}
     targets, outputs = activations(job.reference, wanted, x, chunk, "output", budget, any(tails.values()))
-    if progress:
+    if options.progress:
         LOGGER.info(memory_line(budget, chunk, x.shape[0]))
     setting = _Setting(
-        iterations, seconds, lr, batch_size, chunk, memory, torch.Generator().manual_seed(seed)
-    )
-    job.fit_stages(x, report, setting, targets, (tails, outputs), budget, progress)
+        options.iterations, options.seconds, options.lr, options.batch_size, chunk, options.memory,
+        torch.Generator().manual_seed(options.seed),
+    )  # fmt: skip
+    job.fit_stages(x, report, setting, targets, (tails, outputs), budget, options.progress)
     del targets, outputs
     return job.finish(report, budget)
 
@@ -187,14 +227,18 @@ class _Job:
     reference_paths: dict[str, str]
     depths: list[Depth]
     to_fit: list[str]
-    own_source: bool
+    refuse_exact: bool  # refuse a model whose fit changes nothing: calibrating its own source, alone
     started: float
     peak: EpochPeakMemory
 
     @classmethod
-    def of(cls, model: fx.GraphModule, source: nn.Module | None, depths: list[Depth]) -> _Job:
-        """The job, its stages that compute their source exactly at every depth left out; refuses a
-        source without ``model``'s stages, and a model with nothing to fit against its own source."""
+    def of(
+        cls, model: fx.GraphModule, source: nn.Module | None, depths: list[Depth], kept: frozenset[str],
+        alone: bool,
+    ) -> _Job | None:  # fmt: skip
+        """The job, its stages in ``kept`` and those that compute their source exactly at every depth
+        left out; refuses a source without ``model``'s stages, and (``alone``) a model with nothing to
+        fit against its own source (else None)."""
         own_source = source is None
         if own_source:
             check_source_known(model)
@@ -221,17 +265,20 @@ class _Job:
         work.eval()
         to_fit = [
             name for name, path in paths.items()
-            if not all(
+            if name not in kept and not all(
                 runs_its_source(at_depth(work, paths, depth).get_submodule(path),
                                 reference.get_submodule(reference_paths[name]))
                 for depth in depths
             )
         ]  # fmt: skip
+        if not to_fit and not alone:
+            return None
         if own_source and not to_fit:
             raise ConfigError(
                 nothing_to_fit(model, depths, "Euler, one step and one constant knot per block")
             )
-        return cls(model, work, reference, paths, reference_paths, depths, to_fit, own_source, started, peak)
+        refuse = own_source and alone
+        return cls(model, work, reference, paths, reference_paths, depths, to_fit, refuse, started, peak)
 
     def fit_stages(
         self, x: torch.Tensor, report: CalibrationReport, setting: _Setting, targets: dict[str, Rows],
@@ -251,7 +298,7 @@ class _Job:
             report.stages.append(fit)
             if progress:
                 LOGGER.info(f"calibration of {name} ({index + 1}/{len(names)}):{str(fit).partition(':')[2]}")
-        if self.own_source and not any(fit.fitted for fit in report.stages):
+        if self.refuse_exact and not any(fit.fitted for fit in report.stages):
             raise ConfigError(
                 nothing_to_fit(self.model, self.depths, "its residual against the source is 0 on the images")
             )
