@@ -150,14 +150,23 @@ def test_a_hostile_fitted_steps_entry_is_refused(native, digits, tmp_path: Path)
 def test_depths_are_checked_where_the_recipe_is_made() -> None:
     assert replace(DEFAULT_RECIPE, depths=["native", "x0.5", 2]).depths == "native,x0.5,2"
     assert replace(DEFAULT_RECIPE, depths=" native , x0.25").depths == "native,x0.25"
-    for bad in ("native", "native,native", "native,x0", "native,2.5", ""):
+    for bad in ("native", "native,x0", "native,2.5", ""):
         with pytest.raises(odeify.ConfigError, match="depth|steps"):
             replace(DEFAULT_RECIPE, depths=bad)
 
 
-def test_two_depths_that_are_the_same_steps_are_refused(native, digits: LabelledData) -> None:
-    with pytest.raises(odeify.ConfigError, match="same steps"):
-        finetune(euler(native), digits, replace(QUICK, depths="native,x1"), **COMMON)
+def test_two_depths_that_are_the_same_steps_are_merged(native, digits: LabelledData, caplog) -> None:
+    """Issue 57: x0.25 and x0.2 give stages of 4 and 3 blocks one step each: the run is the one without
+    x0.2 (the oracle: that run, bit for bit), and the log says so once."""
+    one = replace(QUICK, epochs=1)
+    with caplog.at_level("INFO", logger="odeify"):
+        merged = finetune(euler(native), digits, replace(one, depths="native,x0.25,x0.2"), **COMMON)
+    alone = finetune(euler(native), digits, replace(one, depths="native,x0.25"), **COMMON)
+    assert list(merged.history[-1].depth_accuracy) == list(alone.history[-1].depth_accuracy)
+    a, b = merged.model.state_dict(), alone.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    said = [r.getMessage() for r in caplog.records if "merged" in r.getMessage()]
+    assert len(said) == 1 and "x0.25 and x0.2" in said[0], said
 
 
 def test_refinement_and_depths_are_refused_together(native, digits: LabelledData) -> None:

@@ -20,6 +20,7 @@ from odeify.numerics.bases import BASES
 from odeify.numerics.tableaus import KNOWN_INTEGRATORS, resolve_integrator
 from odeify.train.recipe import (
     CALIBRATION_IMAGES,
+    CALIBRATION_MEMORY_MIB,
     CALIBRATION_OBJECTIVE,
     CALIBRATION_OBJECTIVES,
     CALIBRATION_STEPS,
@@ -463,6 +464,19 @@ def objective_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     )
 
 
+def memory_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--calibrate-memory``: the MiB of activations calibration holds in memory (``calibrate``,
+    ``retarget``, ``finetune``)."""
+    parser.add_argument(
+        "--calibrate-memory",
+        type=positive_int,
+        default=CALIBRATION_MEMORY_MIB,
+        metavar="MIB",
+        help=f"MiB of activations the fit holds in memory, the rest in a temporary file; also sizes its "
+        f"passes (default {CALIBRATION_MEMORY_MIB})",
+    )
+
+
 def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) -> None:
     """The calibration flags: where the images are (``data_flag``: --calibrate on retarget, --data on
     calibrate), how many, the time budget and the seed."""
@@ -504,4 +518,5 @@ def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) ->
         "that depth alone)",
     )
     objective_argument(group)
+    memory_argument(group)
     group.add_argument("--seed", type=seed, default=0, help="which images and batches (default 0)")

@@ -1,5 +1,6 @@
 """The calibration flags' meaning: ``odeify.calibrate`` with ``--calibrate-images``, ``--calibrate-steps``,
-``--calibrate-seconds``, ``--calibrate-steps-set``, ``--calibrate-objective``, ``--seed`` and
+``--calibrate-seconds``, ``--calibrate-steps-set``, ``--calibrate-objective``, ``--calibrate-memory``,
+``--seed`` and
 (``odeify calibrate``) ``--source``, its report on stderr (``odeify calibrate``, ``retarget
 --calibrate``)."""
 
@@ -14,6 +15,7 @@ import odeify
 from odeify.compiler.source_network import unknown_source
 from odeify.core.errors import ConfigError
 from odeify.serialization.io import is_converted_file
+from odeify.train.calibration_store import MIB
 
 __all__ = ["calibrate_with_flags"]
 
@@ -31,6 +33,7 @@ def calibrate_with_flags(model: fx.GraphModule, data: str, args: argparse.Namesp
         seed=args.seed,
         source=_source(vars(args).get("source"), args.verify),
         objective=args.calibrate_objective,
+        memory=args.calibrate_memory * MIB,
     )
     print(report, file=sys.stderr)
     return calibrated

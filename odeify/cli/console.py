@@ -8,6 +8,23 @@ from typing import IO
 
 TABLE_WIDTH = 120  # rich's width when the stream is not a terminal (its own default, 80, wraps the tables)
 
+CLI_SPELLINGS = (
+    ("(memory=)", "(--calibrate-memory)"),
+    ("(odeify.set_steps(model, steps), --steps)", "(--steps)"),
+    (
+        "(odeify.calibrate(model, data, steps=[...]))",
+        "(odeify calibrate --calibrate-steps-set DEPTHS, or odeify finetune --depths DEPTHS)",
+    ),
+)
+"""The library's Python spellings in its log lines and warnings, and the command line's for them."""
+
+
+def cli_words(text: str) -> str:
+    """``text`` with the library's Python spellings (:data:`CLI_SPELLINGS`) in the command line's."""
+    for python, flag in CLI_SPELLINGS:
+        text = text.replace(python, flag)
+    return text
+
 
 def console_on(stream: IO[str]):
     """A rich console on ``stream``, wide enough for the tables when it is not a terminal."""
@@ -55,7 +72,7 @@ class _TqdmHandler(logging.Handler):
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=sys.stderr if self.to_stderr else sys.stdout)
+            tqdm.write(cli_words(self.format(record)), file=sys.stderr if self.to_stderr else sys.stdout)
         except Exception:  # a closed stream must not stop the run
             self.handleError(record)
 
@@ -77,11 +94,11 @@ def print_log_lines(to_stderr: bool, level: int = logging.INFO) -> None:
 
 def print_warnings_plainly() -> None:
     """Show Python warnings as ``odeify: warning: MESSAGE`` on stderr, once each, without the source
-    line Python prints (a user of the command line has no use for odeify's code)."""
+    line Python prints (a user of the command line has no use for odeify's code), in its flags."""
     import warnings
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
-        text = " ".join(str(message).split())
+        text = cli_words(" ".join(str(message).split()))
         print(f"odeify: warning: {text}", file=file or sys.stderr)
 
     warnings.showwarning = show

@@ -156,12 +156,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _interrupted(args: argparse.Namespace | None) -> str:
-    """What Ctrl-C leaves: for a fine-tuning run, the completed epochs and how to continue."""
+    """What Ctrl-C leaves: for a fine-tuning run with a completed epoch, its files and how to
+    continue; before one (the opening calibration, the first epoch), that there is nothing to resume."""
     if args is None or getattr(args, "command", None) != "finetune":
         return "odeify: interrupted"
+    from odeify.train.state import STATE_FILE  # torch is loaded by now: the run had started
+
+    out = os.path.join(args.out, args.experiment) if getattr(args, "experiment", None) else args.out
+    if not os.path.exists(os.path.join(out, STATE_FILE)):
+        return (
+            f"odeify: interrupted before the run's first epoch was saved: {out} holds no run to resume. "
+            "Run the same command again to start it."
+        )
     return (
-        f"odeify: interrupted; {args.out} keeps the files of the last completed epoch (an epoch cut short "
-        f"is not saved). Continue the run with: odeify finetune --resume --out {args.out}"
+        f"odeify: interrupted; {out} keeps the files of the last completed epoch (an epoch cut short "
+        f"is not saved). Continue the run with: odeify finetune --resume --out {out}"
     )
 
 
@@ -366,6 +375,7 @@ def _add_start_flags(finetune: argparse.ArgumentParser) -> None:
         "by default a new run first fits its stages to the source network on training images "
         "(odeify.calibrate)",
     )
+    arg.memory_argument(finetune)
 
 
 def _add_teacher_flags(finetune: argparse.ArgumentParser) -> None:
@@ -412,7 +422,8 @@ def _add_depth_flags(finetune: argparse.ArgumentParser) -> None:
         metavar="DEPTHS",
         help="train one set of knots for several depths, e.g. native,x0.5,x0.25: each batch at one drawn "
         "at random, every depth validated each epoch, the worst deciding best.safetensors; the file is "
-        "saved at the first and runs at each (odeify eval --steps). A new run first calibrates for all",
+        "saved at the first and runs at each (odeify eval --steps). A new run first calibrates for all "
+        "(not a file already fitted for them); depths that give the same steps are merged",
     )
 
 

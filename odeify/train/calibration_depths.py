@@ -46,20 +46,17 @@ class Depth:
     steps: dict[str, int]
 
 
-def resolve_depths(model: fx.GraphModule, steps: object, flag: str | None = None) -> list[Depth]:
+def resolve_depths(model: fx.GraphModule, steps: object) -> list[Depth]:
     """The depths ``steps`` lists, each resolved to per-stage step counts as ``odeify.retarget``
     resolves it (:func:`~odeify.compiler.conversion.steps_at`, no copy of the model), those that give
-    the same steps merged (logged); the model's own depth where ``steps`` is None. ``flag``: the
-    command-line flag the list came from, for the messages (default: the Python argument)."""
+    the same steps merged (logged); the model's own depth where ``steps`` is None."""
     if steps is None:
         return [Depth(None, {s.stage_name: s.steps for s in converted_stages(model)})]
     specs = [steps] if isinstance(steps, (str, int, Mapping)) else steps
-    default = "calibrate's steps"
     if not isinstance(specs, Sequence) or not specs:
         raise ConfigError(
-            f"{flag or default} must list depths such as native,x0.5 (each a number of steps, "
-            f"'native', a multiplier 'x0.5' or, in Python, a {{stage: steps}} dict), or be left out for "
-            f"the model's own depth; got {steps!r}."
+            f"calibrate's steps must list depths such as ['native', 'x0.5'] (each an int, 'native', a "
+            f"multiplier 'x0.5' or a {{stage: steps}} dict), or be None for the model's own; got {steps!r}."
         )
     depths: list[Depth] = []
     merged: dict[str, list[str]] = {}

@@ -18,13 +18,14 @@ MAX_DEPTHS = 8
 
 
 def depth_specs(depths: str | Sequence[int | str]) -> tuple[StepsSpec, ...]:
-    """The depths of ``Recipe.depths`` ('native,x0.5,x0.25', or a sequence), checked: at least two,
-    distinct, each a step count, 'native' or a multiplier."""
+    """The depths of ``Recipe.depths`` ('native,x0.5,x0.25', or a sequence), checked: two or more,
+    each a step count, 'native' or a multiplier (those that give a model the same steps are merged
+    against the model: :meth:`odeify.train.depths.DepthPlan.of`)."""
     items = depths.split(",") if isinstance(depths, str) else list(depths)
     specs = tuple(_spec(item) for item in items)
-    if not 2 <= len(specs) <= MAX_DEPTHS or len(set(specs)) < len(specs):
+    if not 2 <= len(specs) <= MAX_DEPTHS:
         raise ConfigError(
-            f"depths lists 2 to {MAX_DEPTHS} distinct depths to train one set of knots for, e.g. "
+            f"depths lists 2 to {MAX_DEPTHS} depths to train one set of knots for, e.g. "
             f"'native,x0.5,x0.25'; got {depths!r:.80}. For one depth, give it as steps (--steps)."
         )
     return specs

@@ -23,8 +23,10 @@ from torch import nn
 from odeify.compiler.conversion import converted_stages, set_steps
 from odeify.compiler.fitted_depths import UnfittedDepthWarning
 from odeify.core.errors import ConfigError
+from odeify.train.calibration_depths import merged_line
 from odeify.train.depth_list import depth_specs
 from odeify.train.distributed import Processes
+from odeify.train.progress import LOGGER
 from odeify.train.state import EpochRecord
 from odeify.train.trainer import Trainer, validation
 
@@ -48,7 +50,8 @@ class DepthPlan:
     def of(cls, model: nn.Module, depths: str) -> DepthPlan:
         """Resolve ``depths`` against ``model``'s stages by switching to each (as every later switch
         does, so a depth means here what it means to :func:`odeify.set_steps`); leaves the model at
-        the first depth. Refuses two depths that give the model the same steps."""
+        the first depth. Depths that give the model the same steps are one, under the first label
+        (logged)."""
         specs = depth_specs(depths)
         resolved: list[dict[str, int]] = []
         with warnings.catch_warnings():  # fitting these depths is what the run is for
@@ -64,14 +67,16 @@ class DepthPlan:
                     ) from None
                 resolved.append({s.stage_name: s.steps for s in converted_stages(model)})
         resolved.pop()
-        for index, steps in enumerate(resolved):
-            if steps in resolved[:index]:
-                first = specs[resolved.index(steps)]
-                raise ConfigError(
-                    f"depths {first} and {specs[index]} give this model the same steps per stage "
-                    f"({steps}): list each depth once."
-                )
-        return cls(tuple(str(spec) for spec in specs), tuple(resolved))
+        labels, steps = [], []
+        for spec, counts in zip(specs, resolved, strict=True):
+            if counts not in steps:
+                labels.append(str(spec))
+                steps.append(counts)
+        for kept, counts in zip(labels, steps, strict=True):
+            others = [str(s) for s, c in zip(specs, resolved, strict=True) if c == counts and str(s) != kept]
+            if others:
+                LOGGER.info(merged_line(kept, others, counts))
+        return cls(tuple(labels), tuple(steps))
 
     def draws(self, seed: int, epoch: int, batches: int) -> list[int]:
         """The depth of each batch of ``epoch``: uniform, from (seed, epoch) alone."""

@@ -71,7 +71,9 @@ from odeify.core.paths import output_folder
 from odeify.ir.source_tensors import record_source
 from odeify.serialization.io import save
 from odeify.train.calibration import calibrate, check_objective
+from odeify.train.calibration_store import MIB
 from odeify.train.datasets import LabelledData, check_data, make_loader
+from odeify.train.depth_corrections import adopt_corrections, hold_corrections
 from odeify.train.depths import (
     DepthPlan,
     batch_depths,
@@ -103,7 +105,13 @@ from odeify.train.progress import (
     run_summary,
     teacher_line,
 )
-from odeify.train.recipe import CALIBRATION_OBJECTIVE, DEFAULT_RECIPE, EMA_WARMUP_POWER, Recipe
+from odeify.train.recipe import (
+    CALIBRATION_MEMORY_MIB,
+    CALIBRATION_OBJECTIVE,
+    DEFAULT_RECIPE,
+    EMA_WARMUP_POWER,
+    Recipe,
+)
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import (
     BEST_FILE,
@@ -186,6 +194,7 @@ def finetune(
     log_interval: int = DEFAULT_LOG_INTERVAL,
     calibrate_first: bool = True,
     calibrate_objective: str = CALIBRATION_OBJECTIVE,
+    calibrate_memory: int = CALIBRATION_MEMORY_MIB * MIB,
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
 
@@ -207,7 +216,8 @@ def finetune(
     or knots than blocks) whose source is known starts from :func:`odeify.calibrate` on its
     training images (docs/calibration.md: it starts near the source and ends at or above the
     uncalibrated run); said in the log. ``calibrate_objective``: that calibration's ``objective``
-    (default ``"output"``: the last stage fitted to the network's output too; ``"stage"``: not).
+    (default ``"output"``: the last stage fitted to the network's output too; ``"stage"``: not);
+    ``calibrate_memory``: its ``memory``, in bytes.
     """
     refine_epochs = check_arguments(model, recipe, refine_at, max_batches, seed)
     cli = "cli" in (run_info or {})  # the command line's run: the log names its flags, not Python's
@@ -229,34 +239,63 @@ def finetune(
         _log_start(model, data, procs)
         model = model.to(procs.device)
         plan = DepthPlan.of(model, recipe.depths) if recipe.depths is not None else None
-        calibrated = calibrate_first and not resume
-        if calibrated:
-            calibrated = _calibrate_in_place(
-                model, data, seed, procs, calibrate_objective, plan, val_loader, cli
+        calibrated = (
+            calibrate_first
+            and not resume
+            and _calibrate_in_place(
+                model, data, seed, procs, (calibrate_objective, calibrate_memory), plan, val_loader, cli
             )
+        )
+        if plan is not None:  # each depth trains a correction of its own, native the knots
+            hold_corrections(model, plan.steps)
         mark_trained_depths(model, plan)
         trainer = Trainer(model, recipe, procs, batches * recipe.epochs, teacher)
         if resume:
             history = _resume(trainer, require_folder(folder), run, refine_epochs, started_from)
         else:
             history = _begin(trainer, val_loader, folder, plan, calibrated, cli)
-        for epoch in range(len(history), recipe.epochs + 1):
-            if epoch in refine_epochs:
-                _refine(trainer, epoch)
-            reseed(seed, epoch, procs.rank)
-            loader.sampler.set_epoch(epoch)
-            switch = batch_depths(trainer, plan, seed, epoch, batches)
-            record = trainer.train_epoch(
-                loader, batches, epoch, progress and procs.is_main, log_interval, before_batch=switch
-            )
-            _validate_epoch(trainer, record, val_loader, plan)
-            history.append(record)
-            if folder is not None:
-                trainer.save(folder, epoch, history, run, started_from)
-            _log_epoch(trainer, history, folder)
+        epochs = _Epochs(loader, val_loader, batches, plan, refine_epochs, seed, folder, run, started_from)
+        _train_epochs(trainer, history, epochs, progress and procs.is_main, log_interval)
         if procs.is_main:
             LOGGER.info(run_summary(history, folder))
     return FineTuneResult(trainer.output, history)
+
+
+@dataclass
+class _Epochs:
+    """What the epochs of a run read: the loaders and batches per epoch, the depth plan, the epochs
+    that refine, the seed, and where and what the run records (no folder: nothing is written)."""
+
+    loader: Any
+    val_loader: Any
+    batches: int
+    plan: DepthPlan | None
+    refine_epochs: list[int]
+    seed: int
+    folder: Path | None
+    run: dict[str, Any]
+    started_from: dict
+
+
+def _train_epochs(
+    trainer: Trainer, history: list[EpochRecord], epochs: _Epochs, progress: bool, log_interval: int
+) -> None:
+    """Train the epochs after those in ``history`` up to the recipe's, appending each one's record;
+    each is validated, saved (with a folder) and logged."""
+    for epoch in range(len(history), trainer.recipe.epochs + 1):
+        if epoch in epochs.refine_epochs:
+            _refine(trainer, epoch)
+        reseed(epochs.seed, epoch, trainer.procs.rank)
+        epochs.loader.sampler.set_epoch(epoch)
+        switch = batch_depths(trainer, epochs.plan, epochs.seed, epoch, epochs.batches)
+        record = trainer.train_epoch(
+            epochs.loader, epochs.batches, epoch, progress, log_interval, before_batch=switch
+        )
+        _validate_epoch(trainer, record, epochs.val_loader, epochs.plan)
+        history.append(record)
+        if epochs.folder is not None:
+            trainer.save(epochs.folder, epoch, history, epochs.run, epochs.started_from)
+        _log_epoch(trainer, history, epochs.folder)
 
 
 def _run_record(
@@ -307,7 +346,7 @@ def _log_epoch(trainer: Trainer, history: list[EpochRecord], folder: Path | None
 
 
 def _calibrate_in_place(
-    model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes, objective: str,
+    model: fx.GraphModule, data: LabelledData, seed: int, procs: Processes, fit: tuple[str, int],
     plan: DepthPlan | None, val_loader, cli: bool,
 ) -> bool:  # fmt: skip
     """Calibrate ``model`` on its training images when it is coarse (at a depth trained for) and its
@@ -323,14 +362,24 @@ def _calibrate_in_place(
         if procs.is_main:
             LOGGER.info(f"note: not calibrated before fine-tuning: the source network is not known ({why})")
         return False
-    given = validation_at_depths(model, val_loader, procs, plan)[0]
+    if all(
+        s.fitted_steps is not None and {d[s.stage_name] for d in steps} <= set(s.fitted_steps) for s in coarse
+    ):
+        if procs.is_main:
+            LOGGER.info(_fitted_already(coarse))
+        return False
+    _, _, at_depths = given = validation_at_depths(model, val_loader, procs, plan)
     if procs.is_main:
-        LOGGER.info(f"the model as given (before calibration): val accuracy {given:.2%}")
+        LOGGER.info(f"the model as given (before calibration): {_accuracy_text(given[0], at_depths)}")
+    objective, memory = fit
     torch.manual_seed(seed)  # a split whose transform cannot be swapped for the evaluation one may draw
     depths = {} if plan is None else {"steps": list(plan.labels)}
-    calibrated, report = calibrate(model, data, seed=seed, progress=False, objective=objective, **depths)
-    with torch.no_grad():  # in place: the caller's model (and its hooks) is the one that trains
-        model.load_state_dict(calibrated.state_dict())
+    calibrated, report = calibrate(
+        model, data, seed=seed, progress=procs.is_main, objective=objective, memory=memory, **depths
+    )
+    adopt_corrections(
+        model, calibrated
+    )  # in place: the caller's model (and its hooks) is the one that trains
     if procs.is_main:
         setting = option(f"calibrate_objective={objective!r}", f"--calibrate-objective {objective}", cli)
         without = option("calibrate_first=False", "--no-calibrate", cli)
@@ -339,6 +388,22 @@ def _calibrate_in_place(
             f"starts from the retargeted knots); {report}"
         )
     return True
+
+
+def _fitted_already(stages: Sequence) -> str:
+    """The line of a run whose file is already fitted for its depths: it is not calibrated again."""
+    fitted = "; ".join(f"{s.stage_name} {', '.join(map(str, s.fitted_steps))}" for s in stages)
+    return (
+        f"the file is already calibrated or trained for the run's depths (steps fitted per stage: {fitted}): "
+        "fine-tuning starts from the file's fit, without calibrating again"
+    )
+
+
+def _accuracy_text(worst: float, at_depths: Mapping[str, float]) -> str:
+    """'val accuracy 98.33%', or each depth's: 'val accuracy at native 98.33%, x0.5 97.21%'."""
+    if not at_depths:
+        return f"val accuracy {worst:.2%}"
+    return "val accuracy at " + ", ".join(f"{label} {accuracy:.2%}" for label, accuracy in at_depths.items())
 
 
 def _run_folder(out: str | os.PathLike[str] | None, resume: bool) -> Path | None:
@@ -490,7 +555,8 @@ def _begin(
     teacher = validate(trainer.teacher, val_loader, procs) if trainer.teacher is not None else None
     if procs.is_main:
         when = "after calibration, before fine-tuning" if calibrated else "before fine-tuning"
-        LOGGER.info(f"epoch 0 ({when}): val accuracy {start.val_accuracy:.2%}")
+        worst = " (the worst depth's)" if start.depth_accuracy else ""
+        LOGGER.info(f"epoch 0 ({when}): val accuracy {start.val_accuracy:.2%}{worst}")
         if start.depth_accuracy:
             LOGGER.info(depths_line(start))
         if teacher is not None:

@@ -116,6 +116,9 @@ def for_training(
             return reversible
     integrator = settings.get("integrator")
     mode = backward if backward is not None else memory_free_backward(model, integrator)
+    if backward is None and reversible is None and probe is not None and probe.announce:
+        why = _not_measured(model, depths, rebuilds_exactly, settings)
+        LOGGER.info(f"default backward mode: {_modes_text(mode)}, not measured against reversible ALF: {why}")
     model = retarget(model, backward=mode, **settings)
     # reversible is still held only with a probe: measure it against the mode it would replace
     return model if reversible is None else _lower_peak(reversible, model, probe)
@@ -137,6 +140,29 @@ def _lower_peak(reversible: fx.GraphModule, checkpointed: fx.GraphModule, probe:
             "alf --backward reversible, picks one."
         )
     return reversible if takes_reversible else checkpointed
+
+
+def _not_measured(model: fx.GraphModule, depths: str | None, rebuilds_exactly: bool, settings: dict) -> str:
+    """Why a run's default backward mode was not measured against reversible ALF's (the first reason)."""
+    asked = [f"--{name}" for name, value in settings.items() if value is not None]
+    if asked:
+        return f"{', '.join(asked)} set the manifestation, which keeps its integrator's memory-free mode"
+    if depths is not None:
+        return "--depths keeps the model's integrator (ALF runs only at multiples of its knots)"
+    if not rebuilds_exactly:
+        return "under --amp, or on a GPU without --deterministic, ALF's reversal cannot rebuild exactly"
+    if not at_source_manifestation(model):
+        return (
+            "the model is not at its source's manifestation (retargeted or trained): it keeps its integrator"
+        )
+    if not _reversible_pays(model):
+        return "its one-block transformer stages keep their input under reversible as under checkpoint"
+    return "a stage cannot integrate with ALF"
+
+
+def _modes_text(mode: str | Mapping[str, str]) -> str:
+    """'checkpoint', or 'layer1 checkpoint, layer2 reversible'."""
+    return mode if isinstance(mode, str) else ", ".join(f"{name} {m}" for name, m in mode.items())
 
 
 def recipe_for(model: fx.GraphModule, recipe: Recipe) -> Recipe:

@@ -182,6 +182,11 @@ CALIBRATION_IMAGES = 256
 post-training reconstruction reads (BRECQ and AdaRound use 1024 ImageNet images); measured on the
 corpus's 32x32 models."""
 
+CALIBRATION_MEMORY_MIB = 128
+"""MiB of activations calibration holds in memory by default (``odeify.calibrate(memory=...)`` in
+bytes, ``--calibrate-memory`` in MiB); the rest goes to a temporary file
+(benchmarks/results/calibration_memory.md)."""
+
 CALIBRATION_STEPS = 50
 """Adam steps per stage by default (``odeify.calibrate(iterations=...)``, ``--calibrate-steps``). At 50
 (of batch 64) a corpus model's calibration costs 0.20x to 1.49x the CPU time of one epoch of the

@@ -21,6 +21,7 @@ from torch import nn
 
 from odeify.compiler.conversion import converted_stages
 from odeify.models.data_config import TRAIN_AUGMENTATION_KEYS
+from odeify.train.calibration_store import MIB
 from odeify.train.datasets import Augmentation, LabelledData, check_data, open_data, recorded_augmentation
 from odeify.train.distributed import Processes
 from odeify.train.finetune import FineTuneResult, check_arguments, finetune
@@ -129,6 +130,7 @@ def finetune_with(
         log_interval=settings.log_interval or DEFAULT_LOG_INTERVAL,
         calibrate_first=settings.calibrate,
         calibrate_objective=settings.calibrate_objective,
+        calibrate_memory=settings.calibrate_memory * MIB,
     )
 
 

@@ -13,8 +13,9 @@ from itertools import product
 
 import torch.fx as fx
 
-from odeify.compiler.conversion import converted_stages, retarget, set_steps
+from odeify.compiler.conversion import converted_stages, retarget, set_steps, steps_at
 from odeify.inspection.report import markdown_table
+from odeify.train.calibration_depths import merged_line
 from odeify.train.evaluate import evaluate
 from odeify.train.progress import LOGGER
 
@@ -50,9 +51,11 @@ def sweep(
     the knots per depth). Knots are refitted from the model as given (least squares below its count,
     resampled above), in ``basis`` (default: the model's own); every point runs with
     ``backward='backprop'`` (evaluation never runs a backward pass). Each point is logged as it is
-    measured (``logging.getLogger("odeify")``).
+    measured (``logging.getLogger("odeify")``). Depths that give the model the same steps are
+    measured once, under the first (logged).
     """
     points = []
+    steps = _distinct_depths(model, steps)
     for integrator in integrators:
         copies: dict[int | str, fx.GraphModule] = {}  # one per knot count: the depths switch in place
         for step, knot in product(steps, knots):
@@ -64,6 +67,18 @@ def sweep(
                 )
             points.append(_measured(manifestation, batches, max_batches, integrator, step, knot))
     return points
+
+
+def _distinct_depths(model: fx.GraphModule, steps: Sequence[int | str]) -> list[int | str]:
+    """``steps`` without those that give ``model`` the same steps per stage as one before (logged)."""
+    resolved = [steps_at(model, step) for step in steps]
+    kept = [step for i, step in enumerate(steps) if resolved[i] not in resolved[:i]]
+    for step in kept:
+        counts = resolved[steps.index(step)]
+        others = [str(s) for s, c in zip(steps, resolved, strict=True) if c == counts and s != step]
+        if others:
+            LOGGER.info(merged_line(str(step), others, counts))
+    return kept
 
 
 def _measured(
