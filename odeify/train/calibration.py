@@ -88,7 +88,12 @@ from odeify.train.network_tail import network_tail
 from odeify.train.parametrization import SourceCoordinates
 from odeify.train.peak_memory import EpochPeakMemory
 from odeify.train.progress import LOGGER
-from odeify.train.recipe import CALIBRATION_IMAGES, CALIBRATION_OBJECTIVE, CALIBRATION_STEPS
+from odeify.train.recipe import (
+    CALIBRATION_IMAGES,
+    CALIBRATION_MEMORY_MIB,
+    CALIBRATION_OBJECTIVE,
+    CALIBRATION_STEPS,
+)
 
 __all__ = [
     "CalibrationReport",
@@ -100,7 +105,7 @@ __all__ = [
 
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH = 64
-DEFAULT_MEMORY = 128 * MIB
+DEFAULT_MEMORY = CALIBRATION_MEMORY_MIB * MIB
 """Activations held in memory at once by default, and the most one pass or fit micro-batch is sized
 to take: resnet50 at 224x224 (3.2 MB per image of layer1) calibrates 256 images in small passes and
 fit micro-batches, its peak under half of holding everything at once
