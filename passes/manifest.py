@@ -54,7 +54,7 @@ def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) 
     counts = check_manifestation(gm, settings)
     for name, request in settings.items():
         stage = stages[name]
-        if request.knots is not None or request.basis is not None:
+        if not _keeps_knots(stage, counts[name], request.basis):
             _change_knots(stage, counts[name], request.basis)
         stage.configure(
             integrator=request.integrator,
@@ -65,6 +65,12 @@ def set_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) 
             checkpoint_every=request.checkpoint_every,
         )
     return PassResult(gm, modified=bool(settings))
+
+
+def _keeps_knots(stage: StageIR, count: int, basis: str | None) -> bool:
+    """Whether ``count`` knots under ``basis`` (None: the stage's own) are what ``stage`` holds, so that a
+    refit would only copy every knot tensor (convert's native request: a second copy of the weights)."""
+    return count == stage.num_knots and (basis is None or get_basis(basis).name == stage.basis)
 
 
 def check_manifestation(gm: fx.GraphModule, settings: Mapping[str, StageRequest]) -> dict[str, int]:

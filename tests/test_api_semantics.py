@@ -83,6 +83,19 @@ def test_convert_leaves_the_callers_module_alone(source) -> None:
     assert odeify.convert(model.eval()).training is False
 
 
+def test_the_converted_model_keeps_no_tensor_of_the_callers(source) -> None:
+    """convert traces a copy sharing the caller's tensors (no second copy of the weights); its result
+    keeps none of them: every tensor of it moved in place, as training would, leaves the caller's."""
+    model = copy.deepcopy(source)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = odeify.convert(model)
+    with torch.no_grad():
+        for tensor in (*converted.parameters(), *converted.buffers()):
+            if tensor.is_floating_point():
+                tensor.add_(1.0)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_changed_template_rebuilds_the_stage_graphs(converted) -> None:
     stage = odeify.converted_stages(converted)[0].standalone()
     x = torch.randn(2, 16, 8, 8).relu()

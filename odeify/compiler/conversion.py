@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from odeify.compiler.analysis import input_shape_for, resolve_model, validate_leaf_modules
+from odeify.compiler.analysis import analysis_copy, input_shape_for, resolve_model, validate_leaf_modules
 from odeify.compiler.fitted_depths import warn_unfitted_depth
 from odeify.compiler.knot_refinement import warn_refined_knots
 from odeify.compiler.pipeline import Job
@@ -45,6 +45,7 @@ __all__ = [
     "check_materialized",
     "convert",
     "converted_stages",
+    "own_tensors",
     "retarget",
     "set_backward",
     "verify",
@@ -101,15 +102,15 @@ def convert(
             )
         check_materialized(model, "odeify.convert")
         _refuse_hooks(model)
-        training = model.training
-        model = copy.deepcopy(model)  # loading puts a module in eval mode: never the caller's
+        training, caller = model.training, model
+        model = analysis_copy(model, copy_tensors=load_kwargs.get("checkpoint") is not None)
     module, name = resolve_model(model, **load_kwargs)
     if not isinstance(model, nn.Module):
-        training = module.training
+        training, caller = module.training, None
     requested = dict(integrator=integrator, basis=basis, steps=steps, knots=knots, backward=backward)
     shape = input_shape_for(module, input_size)
     job = Job(
-        source=copy.deepcopy(module).eval(),
+        source=analysis_copy(module).eval(),
         name=name,
         input_shape=shape,
         leaf_modules=leaf_modules,
@@ -117,6 +118,9 @@ def convert(
     )
     with torch.no_grad():
         gm = CONVERT.run(job).gm
+        del job  # the traced copy: the blocks its stages replaced go before the check's float64 copy
+        if caller is not None:
+            own_tensors(gm, caller)
         check = _record_verification(gm, module, shape) if verify else _record_skipped(gm, "verify=False")
         if requested != DEFAULTS:
             settings = _settings(requested, fill=True)
@@ -129,6 +133,37 @@ def convert(
     if check is not None and not check.passed:
         raise VerificationError(check, gm)
     return gm
+
+
+def own_tensors(gm: nn.Module, source: nn.Module) -> None:
+    """Give ``gm`` its own copy of each tensor it shares storage with ``source``'s parameters and buffers.
+
+    Conversion traces a structural copy of the source that shares its tensors (no second copy of the
+    weights: the stages' knots are new tensors, stacked from the blocks'); what the converted model
+    keeps of the source as it was (the stem, the head) is copied here, once, so that training either
+    model never changes the other. Tied tensors stay tied.
+    """
+    shared = {t.untyped_storage().data_ptr() for t in (*source.parameters(), *source.buffers()) if t.numel()}
+    copies: dict[int, torch.Tensor] = {}
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.numel() or tensor.untyped_storage().data_ptr() not in shared:
+            return tensor
+        if id(tensor) not in copies:
+            clone = tensor.detach().clone()
+            copies[id(tensor)] = (
+                nn.Parameter(clone, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else clone
+            )
+        return copies[id(tensor)]
+
+    for module in gm.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is not None:
+                    table[name] = own(tensor)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(module, name, own(value))
 
 
 def _record_verification(
