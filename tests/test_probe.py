@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import odeify
 from odeify.cli.parser import main
-from odeify.core.errors import ModelLoadError
+from odeify.core.errors import ModelLoadError, OdeifyError
 from odeify.models import DEFAULT_MODEL_PATH
 from odeify.models._testing import make_test_model
 from odeify.serialization.file_schema import PROBE_SOURCE
@@ -152,6 +152,21 @@ def test_saving_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     assert model.training and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     odeify.load(tmp_path / "m.safetensors")  # the probe ran in eval mode: no DropPath draw in it
+
+
+def test_a_probe_in_proportion_to_its_weights_passes_the_input_limit(tmp_path: Path, monkeypatch) -> None:
+    """The input limit lowered to 100 kB, below what the digits model's probe holds at its 32x32 (0.5 MB,
+    under 4x its 0.7 MiB of float64 weights): a model whose own forward needs that saves and loads. At
+    128x128 (16x the activations, 8 MB) the same weights do not vouch for it: refused, as a file's."""
+    monkeypatch.setenv("ODEIFY_MAX_INPUT_BYTES", "100000")
+    model = odeify.convert(str(DEFAULT_MODEL_PATH))
+    odeify.save(model, tmp_path / "m.safetensors")
+    x = torch.randn(1, 1, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(odeify.load(tmp_path / "m.safetensors")(x), model(x))
+    wide = odeify.convert(str(DEFAULT_MODEL_PATH), input_size=(1, 128, 128))
+    with pytest.raises(OdeifyError, match=r"the probe, on one 1x128x128 input .* its weights in float64"):
+        odeify.save(wide, tmp_path / "wide.safetensors")
 
 
 def _gelu(recipe: dict) -> None:

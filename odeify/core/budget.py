@@ -40,6 +40,12 @@ LIMITS = {
     "ODEIFY_MAX_INPUT_BYTES": 2**30,
 }
 _IN_BYTES = {"ODEIFY_MAX_KNOT_BYTES", "ODEIFY_MAX_MODEL_BYTES", "ODEIFY_MAX_INPUT_BYTES"}
+PROBE_WEIGHTS_FACTOR = 4
+"""A probe may hold this many times its model's weights in float64 (the copy it computes with) at once,
+where that is above the input limit. The weights are tensors the file carries, so a file cannot raise
+its own bound without being as large. qwen3_vit_88m at its 768x768 holds 1.7 GiB, 2.6x its 0.65 GiB
+of float64 weights; a recipe asking the digits model (0.7 MiB of float64 weights) for a 4096x4096
+input (3.1 GiB) stays refused."""
 
 
 def limit(name: str) -> int:
@@ -125,23 +131,35 @@ def check_input_bytes(
     )
 
 
-def check_probe_bytes(what: str, nbytes: int) -> None:
-    """Refuse a probe (a saved model's forward on its recorded input size) that would hold ``nbytes``
-    at once, over the input limit: the size comes from a file, and its activations grow with it."""
+def check_probe_bytes(what: str, nbytes: int, weight_bytes: int) -> None:
+    """Refuse a probe (a saved model's float64 forward on its recorded input size) that would hold
+    ``nbytes`` at once: the size comes from a file, and the activations grow with it.
+
+    The limit is the input limit or :data:`PROBE_WEIGHTS_FACTOR` x ``weight_bytes`` (the float64 bytes
+    of the tensors the model's file carries), whichever is larger: a model whose own forward at its
+    size is in proportion to its weights saves and loads, while a few bytes of recipe asking a small
+    model for a huge input are still refused before anything is allocated.
+    """
+    by_weights = PROBE_WEIGHTS_FACTOR * weight_bytes
     _refuse_above(
         "ODEIFY_MAX_INPUT_BYTES",
         nbytes,
         f"{what} would hold {_gib(nbytes)} at once",
         "convert at a smaller input size (input_size=, --input-size)",
+        floor=by_weights,
+        why=f" ({PROBE_WEIGHTS_FACTOR}x the {_gib(weight_bytes)} of its weights in float64, or the input "
+        "limit if larger)",
     )
 
 
-def _refuse_above(name: str, estimate: int, what: str, fix: str) -> None:
-    bound = limit(name)
+def _refuse_above(name: str, estimate: int, what: str, fix: str, floor: int = 0, why: str = "") -> None:
+    """Refuse ``estimate`` over the limit ``name`` (or over ``floor``, if larger; ``why`` says how the
+    limit was set)."""
+    bound = max(limit(name), floor)
     if estimate > bound:
         shown = _gib(bound) if name in _IN_BYTES else f"{bound:,}"
         raise ConfigError(
-            f"{what}, over the limit of {shown}. To proceed anyway, {fix}, or raise the limit with the "
+            f"{what}, over the limit of {shown}{why}. To proceed anyway, {fix}, or raise the limit with the "
             f"environment variable {name}."
         )
 

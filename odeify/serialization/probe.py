@@ -24,10 +24,12 @@ the ratio of the two dtypes' unit round-offs.
 
 The input size comes from the file, so what the probe would hold is bounded before anything is
 allocated: a run on the meta device (shapes only) counts the bytes its float64 forward holds at once,
-which must fit the input budget (:func:`odeify.core.budget.check_probe_bytes`; the count is within 6%
-of the measured peak on the digits model at 1024 and 2048 pixels and resnet50 at 512 and 1024). A
-recipe asking the digits model for a 4096x4096 input (3.1 GiB) is refused in 0.4 s, where the probe
-took 38 s and 4 GB.
+which must fit the input budget or a few times the model's own weights in float64, whichever is larger
+(:func:`odeify.core.budget.check_probe_bytes`; the count is within 6% of the measured peak on the
+digits model at 1024 and 2048 pixels and resnet50 at 512 and 1024). A recipe asking the digits model
+for a 4096x4096 input (3.1 GiB) is refused in 0.4 s, where the probe took 38 s and 4 GB; a model whose
+forward at its size is in proportion to its weights (qwen3_vit_88m at 768x768: 1.7 GiB, 2.6x its
+float64 weights) saves and loads.
 """
 
 from __future__ import annotations
@@ -176,7 +178,9 @@ def _measure_network(
     shape = (1, *model.meta[META]["input_shape"][1:])
     size = "x".join(map(str, shape[1:]))
     check_probe_bytes(
-        f"the probe, on one {size} input (the size the model records),", _peak_bytes(model, shape)
+        f"the probe, on one {size} input (the size the model records),",
+        _peak_bytes(model, shape),
+        _float64_weight_bytes(model),
     )
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     own = _points(_on_cpu(model), x)
@@ -232,6 +236,13 @@ def _peak_bytes(model: nn.Module, shape: tuple[int, ...]) -> int:
     with torch.no_grad(), Count():
         twin(torch.empty(shape, dtype=torch.float64, device="meta"))
     return peak[0]
+
+
+def _float64_weight_bytes(model: nn.Module) -> int:
+    """The bytes of the tensors ``model``'s file carries (its state dict, each tensor once), in float64
+    where they are floating: what the probe's float64 copy of them holds."""
+    tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()
+    return sum(t.numel() * (8 if t.is_floating_point() else t.element_size()) for t in tensors)
 
 
 def _unfolded_bytes(args: tuple) -> int:
