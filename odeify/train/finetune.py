@@ -196,10 +196,7 @@ def finetune(
     calibrate_memory: int = CALIBRATION_MEMORY_MIB * MIB,
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
-
-    ``recipe.lr`` None (the default recipe's) trains at the peak chosen for the model's integrators
-    (:func:`odeify.train.recipe.default_lr`: lower where a stage integrates with ALF), recorded
-    with the run.
+    ``recipe.lr`` None trains at the peak :func:`odeify.train.recipe.default_lr` picks for the model.
 
     ``teacher``: what the recipe distills from (``recipe.distill > 0``), a module or the path of a
     model file (converted, or a checkpoint odeify loads by itself); default: the source network the
@@ -212,11 +209,9 @@ def finetune(
     torch use deterministic kernels (on GPUs: what an exact resume and the reversible backward's
     bit-exact rebuild need). ``progress``: a bar on a terminal, else a log line every
     ``log_interval`` batches. ``calibrate_first``: a new run of a coarse manifestation (fewer steps
-    or knots than blocks) whose source is known starts from :func:`odeify.calibrate` on its
-    training images (docs/calibration.md: it starts near the source and ends at or above the
-    uncalibrated run); said in the log. ``calibrate_objective``: that calibration's ``objective``
-    (default ``"output"``: the last stage fitted to the network's output too; ``"stage"``: not);
-    ``calibrate_memory``: its ``memory``, in bytes.
+    or knots than blocks) whose source is known, not already fitted for its depths, starts from
+    :func:`odeify.calibrate` on its training images (docs/calibration.md), with that calibration's
+    ``objective`` and ``memory`` (bytes) ``calibrate_objective`` and ``calibrate_memory``.
     """
     refine_epochs = check_arguments(model, recipe, refine_at, max_batches, seed)
     cli = "cli" in (run_info or {})  # the command line's run: the log names its flags, not Python's
