@@ -456,22 +456,7 @@ def _fit_stage(
         pick = torch.randperm(n, generator=setting.generator)[: min(setting.batch_size, n)]
         optimizer.zero_grad(set_to_none=True)
         stage.zero_grad(set_to_none=True)
-        parts = pick.split(micro)
-        wanted = [target.take(part) for part in parts] if len(parts) == 1 else None
-        energy = _energy(wanted or (target.take(part) for part in parts))
-        output_energy = _energy([tail[1][pick]]) if tail is not None else None
-        errors = [0.0] * len(runs)  # each depth's on this batch, for the progress
-        for i, part in enumerate(parts):
-            goal = wanted[i] if wanted is not None else target.take(part)
-            loss = None
-            for j, run in enumerate(runs):  # equal weights on the depths' relative errors (see calibrate)
-                h = stage.run_graph(run.graph, (run.inputs.take(part),), inputs=run.constants)
-                term = (h - goal).pow(2).sum() / energy
-                if tail is not None:
-                    term = term + (tail[0](h) - tail[1][part]).pow(2).sum() / output_energy
-                errors[j] += float(term.detach())
-                loss = term if loss is None else loss + term
-            loss.backward()
+        errors = _backward(stage, runs, target, pick, micro, tail)
         coordinates.pull()
         optimizer.step()
         coordinates.push()
@@ -497,6 +482,30 @@ def _fit_stage(
         ]
     carried = [rows.rows for rows in nexts] if onward.segment is not None else None
     return _stage_fit(stage, runs, before, after, done, started), carried
+
+
+def _backward(
+    stage: ODEStage, runs: list[_Run], target: Rows, pick: torch.Tensor, micro: int, tail: Tail | None
+) -> list[float]:
+    """The gradient of the runs' summed objective on the images ``pick``, accumulated micro-batch by
+    micro-batch (each divided by the whole batch's target energy); returns each run's error there."""
+    parts = pick.split(micro)
+    wanted = [target.take(part) for part in parts] if len(parts) == 1 else None
+    energy = _energy(wanted or (target.take(part) for part in parts))
+    output_energy = _energy([tail[1][pick]]) if tail is not None else None
+    errors = [0.0] * len(runs)  # each depth's on this batch, for the progress
+    for i, part in enumerate(parts):
+        goal = wanted[i] if wanted is not None else target.take(part)
+        loss = None
+        for j, run in enumerate(runs):  # equal weights on the depths' relative errors (see calibrate)
+            h = stage.run_graph(run.graph, (run.inputs.take(part),), inputs=run.constants)
+            term = (h - goal).pow(2).sum() / energy
+            if tail is not None:
+                term = term + (tail[0](h) - tail[1][part]).pow(2).sum() / output_energy
+            errors[j] += float(term.detach())
+            loss = term if loss is None else loss + term
+        loss.backward()
+    return errors
 
 
 def _energy(targets: Iterable[torch.Tensor]) -> torch.Tensor:
