@@ -14,6 +14,12 @@ shape on one sample (:func:`probe_sample_bytes`), and holds at most :data:`SLICE
 least one sample. At 224x224 on the CPU that is one sample a slice in resnet50's first two stages,
 three in its third (and resnet152's), seven in its fourth, four in a ViT's blocks
 (benchmarks/results/peak_memory.md has the steps' peaks and times).
+
+What ``torch.compile`` traces (a checkpointed segment between stages, :mod:`odeify.passes.segments`)
+steps its batch whole: the probe's dispatch mode and cache cannot be traced (a graph break inside
+a segment made dynamo compile every segment as one frame, recompiled with dynamic shapes that
+inductor then failed on), and a compiled backward recomputes a checkpointed region where its
+partitioner places it, not slice by slice. The stages' own passes run eagerly, sliced as above.
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ must stay large enough to fill the device (not measured here: no GPU was lent)."
 def batch_slices(*batches: Tensor, sample_bytes: int | None = None) -> list[slice]:
     """The rows each slice of a batch takes, in order: as many samples as :data:`SLICE_BYTES` holds
     at ``sample_bytes`` each (default: the largest sample among ``batches`` as float64), at least
-    one. One slice for a batch of one, or for tensors that do not share their first dimension (what
-    their rows mean is not known then)."""
+    one. One slice for a batch of one, for tensors that do not share their first dimension (what
+    their rows mean is not known then), or while ``torch.compile`` traces the caller (module
+    docstring)."""
+    if torch.compiler.is_compiling():
+        return [slice(None)]
     sizes = {t.shape[0] if t.dim() else None for t in batches}
     batch = sizes.pop() if len(sizes) == 1 else None
     if batch is None or batch <= 1:
@@ -64,7 +73,10 @@ def probe_sample_bytes(
 ) -> int:
     """Bytes of the tensors ``run`` creates for one sample of ``batches`` (their first rows), counted
     once per ``owner`` and sample shape: ``run`` under ``no_grad`` with the RNG forked, so nothing
-    the caller draws afterwards changes."""
+    the caller draws afterwards changes. While ``torch.compile`` traces the caller, nothing runs and
+    the answer is 0: a traced caller steps its batch whole (:func:`batch_slices`)."""
+    if torch.compiler.is_compiling():
+        return 0
     key = tuple((tuple(t.shape[1:]), t.dtype, t.device.type) for t in batches)
     cache = _PROBED.setdefault(owner, {})
     if key not in cache:
