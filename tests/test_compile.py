@@ -24,10 +24,12 @@ from torch._dynamo.utils import counters
 
 import odeify
 from odeify.core.dtypes import model_dtype
+from odeify.models._testing import make_test_model
 from odeify.models.digits import DEFAULT_MODEL_PATH
 from odeify.models.loading import load_model
 from odeify.passes.segments import Segment, checkpoint_segments
 from odeify.runtime.batch_slices import SLICE_BYTES
+from odeify.runtime.split_stage import SplitStage
 from odeify.train.evaluate import saved_for_backward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,11 +58,12 @@ def batch(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 10, (4,), generator=g)
 
 
-def train_step(run, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """One forward (``run``: the model or its compiled form) and backward; input and parameter grads."""
+def train_step(run, model: torch.nn.Module, x: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One forward (``run``: the model or its compiled form) and backward of ``x`` (default: a digits
+    batch); input and parameter grads."""
     model.zero_grad(set_to_none=True)
-    x, labels = batch(model)
-    x.requires_grad_()
+    digits, labels = batch(model)
+    x = (digits if x is None else x.clone()).requires_grad_()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "odeify: stage", RuntimeWarning)  # reverse falls back here
         torch.nn.functional.cross_entropy(run(x), labels).backward()
@@ -86,10 +89,10 @@ def compiled_frames() -> int:
     return counters["frames"]["total"]
 
 
-def assert_no_recompilation(run, model: torch.nn.Module) -> None:
+def assert_no_recompilation(run, model: torch.nn.Module, x: torch.Tensor | None = None) -> None:
     """Another training step of the compiled ``run``, after its first: dynamo compiles nothing."""
     frames = compiled_frames()
-    train_step(run, model)
+    train_step(run, model, x)
     assert compiled_frames() == frames, f"{compiled_frames() - frames} frames recompiled on a second step"
 
 
@@ -128,6 +131,20 @@ def test_aot_compiled_model_trains_bit_for_bit_like_eager_keeping_what_eager_kee
     # again under them): a memory-free path compiled into plain backprop would keep backprop's
     # (measured: backprop 394 KiB, checkpoint 131, ALF 72)
     assert saved_for_backward(run, *batch(cold)) == saved_for_backward(eager, *batch(eager))
+
+
+def test_aot_compiled_vit_trains_its_reversible_split_stage_bit_for_bit_like_eager() -> None:
+    # a tiny ViT (4 blocks, width 64, 32x32: 5 tokens), one split stage, Lie-Trotter ALF
+    vit = make_test_model("vit_tiny_patch16_224", img_size=32, depth=4, embed_dim=64, num_heads=2)
+    eager = odeify.convert(vit, input_size=(4, 3, 32, 32), integrator="alf", backward="reversible").train()
+    assert [type(s) for s in odeify.converted_stages(eager)] == [SplitStage]
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    cold = copy.deepcopy(eager)
+    want = train_step(eager, eager, x)
+    run = torch.compile(cold, backend="aot_eager")
+    got = train_step(run, cold, x)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    assert_no_recompilation(run, cold, x)
 
 
 def test_compiled_model_on_sliced_stages_trains_like_eager(monkeypatch: pytest.MonkeyPatch) -> None:
