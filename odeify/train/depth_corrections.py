@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -24,7 +24,7 @@ from odeify.ir.source_tensors import record_stage_source
 from odeify.train.calibration_depths import Depth
 from odeify.train.calibration_report import CalibrationReport, StageFit
 
-__all__ = ["FitOne", "calibrate_each_depth"]
+__all__ = ["FitOne", "adopt_corrections", "calibrate_each_depth", "hold_corrections"]
 
 FitOne = Callable[[fx.GraphModule, Depth, frozenset[str]], tuple[fx.GraphModule, CalibrationReport] | None]
 """Calibration of one depth: the model at that depth and the stages to leave as they are, to the
@@ -147,3 +147,32 @@ def _joined(reports: list[tuple[Depth, CalibrationReport]], depths: list[Depth])
             )
         )  # fmt: skip
     return joined
+
+
+def hold_corrections(model: fx.GraphModule, depths: Sequence[Mapping[str, int]]) -> None:
+    """Give ``model``'s stages, **in place**, a zero correction at each step count of ``depths`` other
+    than native that they hold none for, so that fine-tuning for several depths trains each depth's
+    correction and native's knots apart (before the optimizer is built: it must see them)."""
+    added = False
+    for stage in converted_stages(model):
+        for steps in sorted({depth[stage.stage_name] for depth in depths}):
+            if steps != stage.depth and stage.correction(steps) is None and stage.num_knots == stage.depth:
+                stage.set_correction(steps, {n: torch.zeros_like(k) for n, k in stage.knots.items()})
+                added = True
+    if added:
+        relower(model)
+
+
+def adopt_corrections(model: fx.GraphModule, calibrated: fx.GraphModule) -> None:
+    """Give ``model``, **in place**, ``calibrated``'s tensors, corrections included (a calibrated copy
+    of it: :func:`calibrate_each_depth`'s result)."""
+    own = {stage.stage_name: stage for stage in converted_stages(model)}
+    for stage in converted_stages(calibrated):
+        for steps in stage.corrected_steps:
+            if own[stage.stage_name].correction(steps) is None:
+                own[stage.stage_name].set_correction(
+                    steps, {n: torch.zeros_like(k) for n, k in stage.knots.items()}
+                )
+    with torch.no_grad():
+        model.load_state_dict(calibrated.state_dict())
+    relower(model)

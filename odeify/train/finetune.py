@@ -73,6 +73,7 @@ from odeify.serialization.io import save
 from odeify.train.calibration import calibrate, check_objective
 from odeify.train.calibration_store import MIB
 from odeify.train.datasets import LabelledData, check_data, make_loader
+from odeify.train.depth_corrections import adopt_corrections, hold_corrections
 from odeify.train.depths import (
     DepthPlan,
     batch_depths,
@@ -240,6 +241,8 @@ def finetune(
                 model, data, seed, procs, (calibrate_objective, calibrate_memory), plan, val_loader, cli
             )
         )
+        if plan is not None:  # each depth trains a correction of its own, native the knots
+            hold_corrections(model, plan.steps)
         mark_trained_depths(model, plan)
         trainer = Trainer(model, recipe, procs, batches * recipe.epochs, teacher)
         if resume:
@@ -369,8 +372,7 @@ def _calibrate_in_place(
     calibrated, report = calibrate(
         model, data, seed=seed, progress=procs.is_main, objective=objective, memory=memory, **depths
     )
-    with torch.no_grad():  # in place: the caller's model (and its hooks) is the one that trains
-        model.load_state_dict(calibrated.state_dict())
+    adopt_corrections(model, calibrated)  # in place: the caller's model (and its hooks) trains
     if procs.is_main:
         setting = option(f"calibrate_objective={objective!r}", f"--calibrate-objective {objective}", cli)
         without = option("calibrate_first=False", "--no-calibrate", cli)
