@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -184,15 +185,31 @@ def _roundoff(model: nn.Module, x: torch.Tensor, output: torch.Tensor, scale: fl
     where the copy does not compute the model's function (a relative distance not below 1: a float32
     copy of a float64 model that overflows)."""
     if output.dtype == torch.float64:
-        low = _run(copy.deepcopy(model).float().eval(), x.float()).double()
+        low = _run(_copy_in(model, torch.float32), x.float()).double()
         distance, unit = (low - output).abs().max().item(), torch.finfo(torch.float32).eps
     else:
-        exact = _run(copy.deepcopy(model).double().eval(), x.double())
+        exact = _run(_copy_in(model, torch.float64), x.double())
         distance, unit = (output.double() - exact).abs().max().item(), torch.finfo(output.dtype).eps
     relative = distance / scale if scale else 0.0
     if not relative < 1:
         return math.inf
     return relative * torch.finfo(output.dtype).eps / unit
+
+
+def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """An eval-mode copy of ``model`` in ``dtype``, each floating tensor cast straight from the model's:
+    never a whole copy in the model's dtype first (a large model's float64 copy is the check's peak)."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(_cast(param.detach(), dtype), param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = _cast(buffer.detach(), dtype)
+    return copy.deepcopy(model, memo).to(dtype).eval()
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``tensor`` in ``dtype`` where it is floating, else of its own dtype."""
+    return tensor.to(dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
 
 
 def _run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

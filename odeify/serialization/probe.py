@@ -266,16 +266,23 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
 def _on_cpu(model: nn.Module, dtype: torch.dtype | None = None) -> fx.GraphModule:
     """An eval-mode copy of ``model`` on the CPU (in ``dtype``), so the probe never changes the caller's.
 
-    Its parameters and buffers are copied straight to the CPU: a model training on a GPU is never
-    duplicated on the GPU, whose memory it may fill.
+    Each parameter and buffer goes straight to the CPU and ``dtype`` in one step: a model training on a
+    GPU is never duplicated on the GPU, whose memory it may fill, and a float64 copy is never a float32
+    copy first (whose freed pieces the larger float64 ones could not reuse: 412M parameters went past
+    8 GiB). A CPU tensor that stays as it is is shared: the probe only reads it.
     """
     memo: dict[int, Any] = {}
     for param in model.parameters():
-        memo[id(param)] = nn.Parameter(param.detach().to("cpu", copy=True), param.requires_grad)
+        memo[id(param)] = nn.Parameter(_cast(param.detach(), dtype), param.requires_grad)
     for buffer in model.buffers():
-        memo[id(buffer)] = buffer.detach().to("cpu", copy=True)
+        memo[id(buffer)] = _cast(buffer.detach(), dtype)
     twin = copy.deepcopy(model, memo).cpu().eval()
     return twin.to(dtype) if dtype is not None else twin
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` on the CPU, in ``dtype`` where it is floating (None: its own)."""
+    return tensor.to("cpu", dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
 
 
 @torch.no_grad()
