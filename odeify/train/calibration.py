@@ -20,10 +20,11 @@ output on a few hundred unlabelled images matches the full-precision network's):
   network's output (the tail after the stage: :mod:`odeify.train.network_tail`) against the
   source's: a ViT's head reads the class token alone, and fitting what it reads lifts a ViT at a
   third of its steps by 4 to 6 points (docs/calibration.md); ``"stage"`` fits the stage outputs only;
-- several depths at once (``steps=["native", "x0.5"]``): one set of knots, each stage's objective
-  summed over the depths, each depth's stage input the calibrated model's own activation at that
-  depth; a model that computes its source exactly at every depth asked (native steps and knots, or
-  knots that read as one-block stages) is refused, one rule whatever makes it exact;
+- several depths at once (``steps=["native", "x0.5"]``): the knots kept, so native computes the
+  source bit for bit, and a correction per other depth fitted as that depth alone is
+  (:mod:`odeify.train.depth_corrections`); a model that computes its source exactly at every depth
+  asked (native steps and knots, or knots that read as one-block stages) is refused, one rule
+  whatever makes it exact;
 - bounded: ``images`` samples, ``iterations`` optimizer steps per stage, and a ``seconds`` budget
   shared by the stages; deterministic for a seed (on one thread). Memory: the images, and
   activations within a byte budget (``memory``; the rest in a temporary file:
@@ -193,7 +194,7 @@ class _Options:
 def _calibrate(
     model: fx.GraphModule, depths: list[Depth], kept: frozenset[str], options: _Options, alone: bool
 ) -> tuple[fx.GraphModule, CalibrationReport] | None:
-    """Calibrate ``model`` for ``depths`` (one set of knots), the stages in ``kept`` left as they are.
+    """Calibrate ``model``'s knots for ``depths``, the stages in ``kept`` left as they are.
     ``alone``: a calibration with nothing to fit is refused, naming why; else it returns None."""
     job = _Job.of(model, options.source, depths, kept, alone)
     if job is None:
