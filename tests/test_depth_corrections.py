@@ -176,3 +176,16 @@ def test_fine_tuning_for_coarse_depths_trains_their_corrections_and_leaves_nativ
                     bool(p.abs().max() > 0) for c in stage.corrections.values() for p in c.parameters()
                 )
     assert moved["x0.5,x0.25"] <= 4.0 < moved["native,x0.5"], moved  # measured: 0.7 eps, and 1e5 eps
+
+
+def test_inspect_marks_the_corrected_steps(native: nn.Module) -> None:
+    """The report's "fitted for steps" column stars the step counts a stage reads a correction at."""
+    from odeify.inspection.report import describe, format_report_table
+
+    model, _ = _with_correction(native)
+    for stage in odeify.converted_stages(model):
+        stage.fitted_steps = (stage.steps, stage.depth)
+    table = format_report_table(describe(model))
+    column = [str(c) for c in table.columns[-1]._cells]
+    assert column == [f"{round(s.depth / 2)}*, {s.depth}" for s in odeify.converted_stages(model)]
+    assert "correction of its own" in str(table.caption)

@@ -40,6 +40,7 @@ class StageReport:
     backward: str
     parameters: int
     fitted_steps: tuple[int, ...] | None = None  # the steps its knots were calibrated or fine-tuned for
+    corrected_steps: tuple[int, ...] = ()  # the steps it reads a correction of its own at
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ def describe(converted: nn.Module, name: str | None = None) -> ConversionReport:
             backward=stage.backward,
             parameters=sum(p.numel() for p in stage.knots.parameters() if p.requires_grad),
             fitted_steps=stage.fitted_steps,
+            corrected_steps=stage.corrected_steps,
         )
         for stage in converted_stages(converted)
     )
@@ -201,6 +203,8 @@ def format_report_table(report: ConversionReport) -> Table:
         caption += "; not lifted: " + "; ".join(f"{_text(n)} ({_text(why)})" for n, why in report.not_lifted)
     if report.steps_multiplier is not None:
         caption += f"\n{_text(report.steps_multiplier.line())}"
+    if any(s.corrected_steps for s in report.stages):
+        caption += "\n*: the stage reads a correction of its own at those steps (native: the knots alone)"
     table = Table(title=f"{_text(report.model)}: ODE stages", caption=caption, show_footer=True)
     columns = (
         ("stage", "left", "total"),
@@ -229,9 +233,16 @@ def format_report_table(report: ConversionReport) -> Table:
             str(s.nfe),
             _text(s.backward),
             f"{s.parameters:,}",
-            ", ".join(map(str, s.fitted_steps)) if s.fitted_steps else "-",
+            _fitted(s),
         )
     return table
+
+
+def _fitted(stage: StageReport) -> str:
+    """'1*, 2*, 4': the steps fitted for, a star where the stage reads a correction of its own."""
+    if not stage.fitted_steps:
+        return "-"
+    return ", ".join(f"{n}*" if n in stage.corrected_steps else str(n) for n in stage.fitted_steps)
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]], text_columns: int = 2) -> list[str]:
