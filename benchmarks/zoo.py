@@ -22,6 +22,9 @@ phase timed, and each phase's exception caught so that the others still report:
 - retarget: ``odeify.retarget(steps="x0.5")`` and a forward; save: ``odeify.save`` then
   ``odeify.load`` and the loaded model's output against the saved one's.
 
+The fp64 conversion runs last, after the float32 models are gone (the source turned into float64 in
+place), so that the child holds about as much as one convert does: a 412M-parameter ViT fits 8 GiB.
+
 ``--out OUT`` writes OUT.csv, OUT.md and OUT_models.json (the zoo's choice, kept for the timm version
 that made it: choosing builds every timm model on meta, minutes). The parent appends each row to the
 CSV as it comes (an interrupted sweep keeps what it measured; ``--resume`` skips the models already
@@ -31,6 +34,7 @@ there) and rewrites the Markdown summary after each model.
     python benchmarks/zoo.py --models resnet18,vit_small_patch16_224 --out /tmp/zoo_try
     python benchmarks/zoo.py                       # the whole zoo: 1-2 hours on 2 cores
     python benchmarks/zoo.py --resume              # go on with an interrupted sweep
+    python benchmarks/zoo.py --models qwen3_vit_88m --replace   # sweep again, replace its row
     python benchmarks/zoo.py --readme-table        # the README's family table, from the CSV
 """
 
@@ -40,8 +44,10 @@ import argparse
 import copy
 import csv
 import datetime
+import io
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -63,6 +69,7 @@ import odeify
 from odeify.compiler.conversion import converted_stages
 from odeify.compiler.verification import VerificationError
 from odeify.core.errors import OdeifyError
+from odeify.core.fileio import atomic_write_bytes
 from odeify.ir.plan import Run
 from odeify.models._testing import make_test_model
 from odeify.models.timm_interface import default_input_size
@@ -305,8 +312,7 @@ class Child:
         with self.phase("fp32"):
             with torch.no_grad():
                 source_out, converted_out = model(x), converted(x)
-                model64 = copy.deepcopy(model).double()
-                source64 = model64(x.double())
+                source64 = copy.deepcopy(model).double()(x.double())  # the copy goes at once: memory
             scale = source_out.abs().max().item()
             roundoff = max_abs(source_out, source64)
             diff = max_abs(converted_out, source_out)
@@ -315,11 +321,6 @@ class Child:
             row["fp32_vs_roundoff"] = relative(diff, roundoff)
         if "fp32_rel" not in row:
             return
-        with self.phase("fp64"):
-            converted64 = odeify.convert(model64, input_size=shape, verify=False)
-            with torch.no_grad():
-                row["fp64_rel"] = relative(max_abs(converted64(x.double()), source64), scale)
-            del converted64, model64
         with self.phase("retarget", errors="retarget"):
             half = odeify.retarget(converted, steps="x0.5")
             with torch.no_grad():
@@ -328,15 +329,24 @@ class Child:
             del half
         with tempfile.TemporaryDirectory() as folder, self.phase("save", errors="save_load"):
             path = Path(folder) / "model.safetensors"
-            odeify.save(converted, path)
+            try:
+                odeify.save(converted, path)
+            finally:  # its output is kept: one model fewer while the loaded one is checked and in fp64
+                del converted
             loaded = odeify.load(path)
             with torch.no_grad():
                 loaded_out = loaded(x)
+            del loaded
             diff = max_abs(loaded_out, converted_out)
             row["save_load"] = (
                 "ok" if torch.equal(loaded_out, converted_out) or diff <= roundoff else f"{diff:.1e}"
             )
         row["save_load"] = row["save_load"].replace(folder, "<folder>")  # the same text in every run
+        with self.phase("fp64"):
+            model64 = model.double()  # in place: the float32 source is not needed after this phase
+            converted64 = odeify.convert(model64, input_size=shape, verify=False)
+            with torch.no_grad():
+                row["fp64_rel"] = relative(max_abs(converted64(x.double()), source64), scale)
 
     def _convert(
         self, model: torch.nn.Module, shape: tuple[int, ...], plan: Any, adds: set[str]
@@ -643,7 +653,7 @@ def markdown(rows: list[Row], args: argparse.Namespace, command: str, skipped: d
     """The results file: what was measured, the totals, a line per family, every model."""
     which = (
         "The models named by --models"
-        if args.models
+        if args.models and not args.replace
         else "The smallest model (by parameters) of every timm model module, and common names"
     )
     threads = args.threads or f"torch's default ({torch.get_num_threads()})"
@@ -757,6 +767,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads per model (default: torch's)")
     parser.add_argument("--resume", action="store_true", help="skip the models already in OUT.csv")
     parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="with --models: sweep them again and replace their rows in OUT.csv, keeping the others",
+    )
+    parser.add_argument(
         "--readme-table", action="store_true", help="print the README's family table from OUT.csv and exit"
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -764,9 +779,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.img_size is not None and args.img_size < 1:
         parser.error("--img-size must be >= 1")
+    if args.replace and (not args.models or args.resume):
+        parser.error("--replace takes --models (the rows to sweep again) and not --resume")
     if args.timeout <= 0 or args.memory_gib <= 0:
         parser.error("--timeout and --memory-gib must be positive")
     return args
+
+
+def replace_rows(csv_path: Path, md_path: Path, names: list[str], command: str) -> tuple[str, dict[str, str]]:
+    """For ``--replace``: OUT.csv rewritten without the rows of ``names`` (atomically), which are swept
+    again and appended; returns the results' command (the sweep's, from OUT.md, then this one) and the
+    names the zoo's choice left out (from OUT_models.json), for a Markdown file that still describes
+    the whole sweep."""
+    kept = [row for row in read_rows(csv_path) if row["model"] not in names]
+    text = io.StringIO()
+    writer = csv.DictWriter(text, FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(kept)
+    atomic_write_bytes(csv_path, text.getvalue().encode())
+    previous = re.search(r"^Command: `(.*)`", md_path.read_text(), re.M) if md_path.is_file() else None
+    if previous:
+        command = f"{previous.group(1)}`, its rows of {', '.join(names)} replaced by `{command}"
+    cache = csv_path.with_name(csv_path.stem + "_models.json")
+    skipped = json.loads(cache.read_text())["skipped"] if cache.is_file() else {}
+    return command, skipped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -791,10 +827,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}\t{family_name}\t{'' if params is None else f'{params / 1e6:.2f}M'}")
         return 0
     done = read_rows(csv_path) if args.resume else []
-    if not args.resume and csv_path.exists():
+    command = command_line(__file__, None if argv is None else list(argv))
+    if args.replace:
+        command, skipped = replace_rows(csv_path, md_path, [m[0] for m in models], command)
+    elif not args.resume and csv_path.exists():
         csv_path.unlink()
     todo = [m for m in models if m[0] not in {r["model"] for r in done}]
-    command = command_line(__file__, None if argv is None else list(argv))
     start = time.perf_counter()
     for i, (name, family_name, params) in enumerate(todo, 1):
         row = run_model(child_command(name, args), args.timeout, args.memory_gib)
