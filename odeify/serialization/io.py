@@ -76,10 +76,8 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
     _check_saved(recipe, target)  # before any work: what load's schema and budgets refuse
     _refuse_other_classifier(model, recipe, target)
     check_materialized(model, "odeify.save")
-    # own, contiguous CPU copies: safetensors refuses tensors that share storage
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    _refuse_unloadable(tensors, target)
-    try:
+    _refuse_unloadable(model.state_dict(), target)
+    try:  # before the copies below: the probe's float64 copy is save's peak, the two together too much
         probe, probe_tensors = record_probe(model)
     except ConfigError as exc:  # the probe at the model's input size is over a budget: so would load's be
         raise _refused(target, str(exc)) from None
@@ -93,6 +91,8 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
             "not finite: its tensors hold values so large that it overflows, so no probe can check it",
         )
     recipe = recipe_of(model, probe)
+    # own, contiguous CPU copies: safetensors refuses tensors that share storage
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     if recipe.arch is None:
         record = model.meta.get(META, {})
         source, why = record.get("name", "the source module"), record.get("arch_unknown_because")
@@ -209,6 +209,7 @@ def load(
     _check_tensors(converted, state, path)
     converted.load_state_dict(state, strict=True)
     check_fold_records(converted, source, path)
+    del state, source  # copied into converted: the probe's float64 copy below is load's peak
     _restore_fitted_steps(converted, recipe)
     if any(stage.correction() is not None for stage in converted_stages(converted)):
         relower(converted)  # its graph reads the corrections loaded at the stages' own depth
