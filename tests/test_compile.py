@@ -13,6 +13,7 @@ inductor, which takes minutes to compile on a small CPU with a cold cache.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -155,18 +156,31 @@ def test_compiled_model_on_sliced_stages_trains_like_eager(monkeypatch: pytest.M
     compiled_gradients("reversible", "aot_eager", FACTOR["aot_eager"], "alf")
 
 
+WHOLE_GRAPH = pytest.mark.skipif(
+    not os.environ.get("ODEIFY_COMPILE_ALL"),
+    reason="inductor compiles the whole model as one graph: 1-2 minutes with a cold cache on 2 cores "
+    "(measured 122 s backprop, 59 s checkpoint); aot_eager checks the same graph in the suite. "
+    "ODEIFY_COMPILE_ALL=1 runs it",
+)
+INDUCTOR_MODES = [
+    pytest.param(mode, integrator, marks=WHOLE_GRAPH if mode in ("backprop", "checkpoint") else ())
+    for mode, integrator in MODES
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "integrator"), MODES)
+@pytest.mark.parametrize(("mode", "integrator"), INDUCTOR_MODES)
 def test_inductor_compiled_model_trains_like_eager(mode: str, integrator: str) -> None:
     compiled_gradients(mode, "inductor", FACTOR["inductor"], integrator)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["checkpoint", "reversible"])
+@pytest.mark.parametrize("mode", [pytest.param("checkpoint", marks=WHOLE_GRAPH), "reversible"])
 def test_inductor_compiled_memory_saving_mode_keeps_a_fraction_of_backprop(mode: str) -> None:
     # inductor keeps channels_last copies of the segments' conv weights and inputs beside what eager
-    # keeps (measured: backprop 651 KiB, checkpoint 189, ALF 147; eager ALF 70), never backprop's
+    # keeps (measured, compiled: backprop 651 KiB, checkpoint 189, ALF 147; eager: backprop 394, ALF
+    # 70), never backprop's: judged against eager backprop, whose compile alone costs a minute cold
     model = training_model(mode, "alf" if mode == "reversible" else None)
     backprop = training_model("backprop")
     kept = saved_for_backward(torch.compile(model), *batch(model))
-    assert kept < 0.4 * saved_for_backward(torch.compile(backprop), *batch(backprop))
+    assert kept < 0.5 * saved_for_backward(backprop, *batch(backprop))
