@@ -74,7 +74,8 @@ def test_timm_spellings_parse_to_odeify_settings() -> None:
                   "--warmup-epochs", "1", "--clip-grad", "none", "--amp", "--amp-dtype", "bfloat16",
                   "--channels-last", "--device", "cpu", "--model-ema", "--model-ema-decay", "0.99",
                   "--smoothing", "0.1", "--output", "o", "--experiment", "e",
-                  "--log-interval", "5", "--opt-eps", "1e-6")  # fmt: skip
+                  "--log-interval", "5", "--opt-eps", "1e-6", "--torchcompile",
+                  "--torchcompile-mode", "max-autotune")  # fmt: skip
     assert (args.data, args.batch_size, args.workers, args.optimizer) == ("d", 8, 2, "sgd")
     precision = (args.clip_grad_norm, args.use_amp, args.amp_dtype, args.channels_last)
     assert precision == (
@@ -85,6 +86,8 @@ def test_timm_spellings_parse_to_odeify_settings() -> None:
     )
     assert (args.device, args.model_ema, args.ema_decay, args.label_smoothing) == ("cpu", True, 0.99, 0.1)
     assert (args.out, args.experiment, args.log_interval, args.opt_eps) == ("o", "e", 5, 1e-6)
+    assert (args.torchcompile, args.torchcompile_mode) == ("inductor", "max-autotune")  # alone: timm's const
+    assert _parse("--torchcompile", "aot_eager").torchcompile == "aot_eager"
 
 
 @pytest.mark.parametrize(
@@ -98,6 +101,8 @@ def test_timm_spellings_parse_to_odeify_settings() -> None:
         ),
         (["--device", "cuda:7", "--data", "digits"], "CUDA device(s)"),
         (["--hflip", "0", "--data", "digits"], "apply to an image folder"),
+        (["--torchcompile", "nosuch", "--data", "digits"], "torch._dynamo.list_backends() names"),
+        (["--torchcompile-mode", "max-autotune", "--data", "digits"], "pass --torchcompile too"),
         (["--model-emma"], "did you mean --model-ema?"),
         (["--lrr", "0.1"], "did you mean --lr?"),
     ],

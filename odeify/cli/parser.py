@@ -474,6 +474,15 @@ def _add_training_flags(finetune: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--channels-last", action="store_true", default=None, help="channels-last memory format"
     )
+    group.add_argument(
+        "--torchcompile", nargs="?", const="inductor", metavar="BACKEND",
+        help="train and validate through torch.compile with BACKEND (alone: inductor; aot_eager: no code "
+        "generation; torch._dynamo.list_backends() names them); --resume compiles only when given it too",
+    )  # fmt: skip
+    group.add_argument(
+        "--torchcompile-mode", metavar="MODE",
+        help="inductor's mode with --torchcompile: default, reduce-overhead, max-autotune, ...",
+    )  # fmt: skip
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:

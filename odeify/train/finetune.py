@@ -95,6 +95,7 @@ from odeify.train.manifestations import (
 from odeify.train.progress import (
     DEFAULT_LOG_INTERVAL,
     LOGGER,
+    compile_line,
     epoch_line,
     extension_note,
     finished_note,
@@ -128,6 +129,7 @@ from odeify.train.state import (
     write_state,
 )
 from odeify.train.state_schema import StateError, check_tensors
+from odeify.train.torch_compile import torch_compile
 from odeify.train.trainer import Trainer, reseed, stage_shape, validate
 
 __all__ = [
@@ -195,6 +197,8 @@ def finetune(
     calibrate_first: bool = True,
     calibrate_objective: str = CALIBRATION_OBJECTIVE,
     calibrate_memory: int = CALIBRATION_MEMORY_MIB * MIB,
+    torchcompile: str | None = None,
+    torchcompile_mode: str | None = None,
 ) -> FineTuneResult:
     """Fine-tune ``model`` (a converted model) on ``data`` with ``recipe``; see the module docstring.
     ``recipe.lr`` None trains at the peak :func:`odeify.train.recipe.default_lr` picks for the model.
@@ -213,6 +217,9 @@ def finetune(
     or knots than blocks) whose source is known, not already fitted for its depths, starts from
     :func:`odeify.calibrate` on its training images (docs/calibration.md), with that calibration's
     ``objective`` and ``memory`` (bytes) ``calibrate_objective`` and ``calibrate_memory``.
+    ``torchcompile``: train and validate through ``torch.compile`` with this backend (and
+    ``torchcompile_mode``), timm train.py's ``--torchcompile`` (:mod:`odeify.train.torch_compile`);
+    it does not change the weights, so a resume may drop or add it.
     """
     refine_epochs = check_arguments(model, recipe, refine_at, max_batches, seed)
     cli = "cli" in (run_info or {})  # the command line's run: the log names its flags, not Python's
@@ -220,6 +227,7 @@ def finetune(
     recipe = recipe_for(model, recipe)
     check_data(data, model)
     procs = processes or Processes()
+    compiled = torch_compile(torchcompile, torchcompile_mode, procs.device, cli)
     folder = _run_folder(out, resume)
     with _folder_lock(folder, procs):
         if deterministic:
@@ -244,7 +252,9 @@ def finetune(
         if plan is not None:  # each depth trains a correction of its own, native the knots
             hold_corrections(model, plan.steps)
         mark_trained_depths(model, plan)
-        trainer = Trainer(model, recipe, procs, batches * recipe.epochs, teacher)
+        trainer = Trainer(model, recipe, procs, batches * recipe.epochs, teacher, compiled)
+        if compiled is not None and procs.is_main:
+            LOGGER.info(compile_line(compiled, trainer))
         if resume:
             history = _resume(trainer, require_folder(folder), run, refine_epochs, started_from)
         else:
@@ -448,10 +458,10 @@ def _validate_epoch(trainer: Trainer, record: EpochRecord, val_loader, plan: Dep
     """Fill in ``record``'s accuracies: the returned model's and, with a weight average, the raw weights';
     with a depth plan, at every depth (the worst one is the record's)."""
     record.val_accuracy, record.val_loss, record.depth_accuracy = validation_at_depths(
-        trainer.output, val_loader, trainer.procs, plan
+        trainer.validated_output, val_loader, trainer.procs, plan
     )
     if trainer.ema is not None:
-        record.val_accuracy_raw = validation_at_depths(trainer.model, val_loader, trainer.procs, plan)[0]
+        record.val_accuracy_raw = validation_at_depths(trainer.running, val_loader, trainer.procs, plan)[0]
 
 
 def check_arguments(
@@ -541,8 +551,11 @@ def _begin(
     """Evaluate the model (and the teacher) before training: the history's epoch 0 (after calibration,
     when the run calibrated)."""
     procs = trainer.procs
-    accuracy, loss, at_depths = validation_at_depths(trainer.model, val_loader, procs, plan)
-    start = EpochRecord(0, accuracy, val_loss=loss, depth_accuracy=at_depths, **stage_shape(trainer.model))
+    accuracy, loss, at_depths = validation_at_depths(trainer.running, val_loader, procs, plan)
+    start = EpochRecord(
+        0, accuracy, val_loss=loss, depth_accuracy=at_depths, torchcompile=trainer.compile_label,
+        **stage_shape(trainer.model),
+    )  # fmt: skip
     if folder is not None and procs.is_main:
         save(trainer.model, folder / BEST_FILE)
     teacher = validate(trainer.teacher, val_loader, procs) if trainer.teacher is not None else None

@@ -26,6 +26,7 @@ __all__ = [
     "LOGGER",
     "BatchProgress",
     "bar_wanted",
+    "compile_line",
     "epoch_line",
     "extension_note",
     "finished_note",
@@ -100,6 +101,20 @@ def loss_name(recipe: Recipe, distilling: bool) -> str:
     if recipe.distill == 1:
         return "loss (distillation)"
     return f"loss ({1 - recipe.distill:g} cross-entropy + {recipe.distill:g} distillation)"
+
+
+def compile_line(compiled, trainer) -> str:
+    """The line of a compiled run (``compiled``: its :class:`~odeify.train.torch_compile.TorchCompile`):
+    what is compiled, with which backend, and what stays eager."""
+    parts = ["the model (training and validation)"]
+    parts += ["its weight average"] if trainer.ema is not None else []
+    parts += ["the teacher"] if trainer.teacher is not None else []
+    eager = [s.stage_name for s in converted_stages(trainer.model) if s.backward in ("reverse", "reversible")]
+    mode = compiled.mode or "default"
+    line = f"torch.compile with backend {compiled.backend}, mode {mode}: {', '.join(parts)}"
+    if eager:
+        line += f"; the memory-free stages ({', '.join(eager)}) run their own passes eagerly"
+    return line
 
 
 def option(python: str, flag: str, cli: bool) -> str:

@@ -29,6 +29,7 @@ from odeify.train.manifestations import MEMORY_FREE_DEFAULT, StepProbe, for_trai
 from odeify.train.progress import DEFAULT_LOG_INTERVAL
 from odeify.train.recipe import DEFAULT_RECIPE, Recipe, uses_alf
 from odeify.train.state_schema import RECORDED
+from odeify.train.torch_compile import torch_compile
 
 __all__ = ["RECIPE_FLAGS", "augmentation", "finetune_with", "recipe_from", "with_recorded"]
 
@@ -99,6 +100,7 @@ def finetune_with(
     seed = 0 if settings.seed is None else settings.seed
     # refused before the default's training step is measured, not after
     check_arguments(loaded, recipe, settings.refine_at or [], settings.max_batches, seed)
+    torch_compile(settings.torchcompile, settings.torchcompile_mode, processes.device, cli=True)
     check_data(data, loaded)
     given_none = not manifestation and settings.backward is None
     # a run recorded before the default was measured resumes with the default it was trained with; a
@@ -131,6 +133,8 @@ def finetune_with(
         calibrate_first=settings.calibrate,
         calibrate_objective=settings.calibrate_objective,
         calibrate_memory=settings.calibrate_memory * MIB,
+        torchcompile=settings.torchcompile,
+        torchcompile_mode=settings.torchcompile_mode,
     )
 
 

@@ -72,7 +72,9 @@ SUMMARY_COLUMNS = (
 an epoch record (train_top1 in percent, eval_top1_raw: the last step's weights when a weight average
 is kept, seconds: the epoch's training time, peak_memory_mib: its peak memory, CUDA's max allocated
 or the process's peak resident memory on the CPU: :mod:`odeify.train.peak_memory`); a run with
-``Recipe.depths`` adds ``eval_top1_<depth>`` for each listed depth (eval_top1 is then the worst)."""
+``Recipe.depths`` adds ``eval_top1_<depth>`` for each listed depth (eval_top1 is then the worst); a
+run compiled in any epoch adds ``torchcompile``, each epoch's backend (``inductor:max-autotune`` with
+a mode), empty where it ran eagerly."""
 
 
 @dataclass
@@ -84,7 +86,9 @@ class EpochRecord:
     score ``val_accuracy_raw`` (else None). ``lr`` is the learning rate of the epoch's last step;
     ``peak_memory_mib`` the peak memory of its training (:mod:`odeify.train.peak_memory`).
     ``depth_accuracy``: with ``Recipe.depths``, the returned model's accuracy at each listed depth
-    (``val_accuracy`` is then the worst of them: :mod:`odeify.train.depths`).
+    (``val_accuracy`` is then the worst of them: :mod:`odeify.train.depths`). ``torchcompile``: the
+    ``torch.compile`` backend (and mode) the epoch trained and validated with, None when eager
+    (:mod:`odeify.train.torch_compile`; a resumed run may change it).
     """
 
     epoch: int
@@ -99,6 +103,7 @@ class EpochRecord:
     val_loss: float | None = None
     peak_memory_mib: float | None = None
     depth_accuracy: dict[str, float] = field(default_factory=dict)
+    torchcompile: str | None = None
 
 
 class TrainingRun(Protocol):
@@ -166,12 +171,15 @@ def write_summary(path: Path, history: list[EpochRecord]) -> None:
         return "" if value is None else f"{value * scale:.8g}"  # 34.7, not 34.699999999999996
 
     depths = list(dict.fromkeys(label for r in history for label in r.depth_accuracy))
-    rows = [",".join([*SUMMARY_COLUMNS, *(f"eval_top1_{label}" for label in depths)])]
+    compiled = any(r.torchcompile is not None for r in history)
+    extra = ["torchcompile"] if compiled else []
+    rows = [",".join([*SUMMARY_COLUMNS, *(f"eval_top1_{label}" for label in depths), *extra])]
     for r in history:
         values = [cell(r.train_loss), cell(r.train_accuracy, 100), cell(r.val_loss)]
         values += [cell(r.val_accuracy, 100), cell(r.val_accuracy_raw, 100), cell(r.lr), cell(r.seconds)]
         values += [cell(r.peak_memory_mib)]
         values += [cell(r.depth_accuracy.get(label), 100) for label in depths]
+        values += [r.torchcompile or ""] if compiled else []
         rows.append(",".join([str(r.epoch), *values]))
     atomic_write_bytes(path, ("\n".join(rows) + "\n").encode())
 

@@ -41,6 +41,7 @@ _HISTORY_FIELDS = {
     "depth_accuracy": "fractions",
     "knots": "counts",
     "steps": "counts",
+    "torchcompile": "name?",
 }
 _TENSOR_NAME = re.compile(r"(model|ema|sources)\..+|ema_rng|optim\.(\d+)\.([A-Za-z_][A-Za-z0-9_]*)")
 _PER_PARAMETER = {
@@ -143,6 +144,8 @@ def _of_kind(value: object, kind: str) -> bool:
         return _is_number(value) and 0 <= value <= 1  # type: ignore[operator]
     if kind == "number":
         return _is_number(value)
+    if kind == "name":  # a torch.compile backend, with its mode: printable, no comma (a summary.csv cell)
+        return isinstance(value, str) and 0 < len(value) <= 64 and value.isprintable() and "," not in value
     if kind == "fractions":
         return isinstance(value, dict) and all(
             isinstance(k, str) and len(k) <= 16 and _of_kind(v, "fraction") for k, v in value.items()
@@ -156,6 +159,7 @@ _KIND_TEXT = {
     "number": "a finite number",
     "counts": "a map of stage names to positive integers",
     "fractions": "a map of depths to numbers in [0, 1]",
+    "name": "a short name without commas",
 }
 
 

@@ -36,6 +36,7 @@ from odeify.train.progress import DEFAULT_LOG_INTERVAL, BatchProgress, loss_name
 from odeify.train.recipe import EMA_WARMUP_POWER, Recipe
 from odeify.train.schedule import learning_rate_factor
 from odeify.train.state import STATE_FILE, EpochRecord, ema_rng, write_epoch_outputs, write_state
+from odeify.train.torch_compile import TorchCompile
 
 if TYPE_CHECKING:
     from timm.utils import ModelEmaV3
@@ -47,6 +48,10 @@ class Trainer:
     """The model, its (DDP) training wrapper, optimizer, weight average and step counter; one epoch at a time.
 
     Under torchrun every rank holds the same weights, so every rank keeps its own (identical) average.
+    With ``compiled`` (:mod:`odeify.train.torch_compile`), the model trains and validates through
+    ``torch.compile``, compiled after the average is made and before DDP wraps it (timm's order), and
+    the average and the teacher run compiled too; :attr:`model` and :attr:`output` stay the modules
+    themselves (what is saved, averaged and optimized).
     """
 
     def __init__(
@@ -56,9 +61,11 @@ class Trainer:
         procs: Processes,
         total_steps: int,
         teacher: nn.Module | None,
+        compiled: TorchCompile | None = None,
     ) -> None:
         self.recipe, self.procs, self.total_steps = recipe, procs, total_steps
-        self.teacher = teacher.to(procs.device) if teacher is not None else None
+        self.compiled = compiled
+        self.teacher = self._compile(teacher.to(procs.device)) if teacher is not None else None
         self.step = 0
         self.model = _in_layout(model, recipe)
         check_precision(model, recipe)
@@ -66,13 +73,28 @@ class Trainer:
         self.mixup = _mixup(recipe, getattr(model, "num_classes", None))
         self.sources = SourceCoordinates(self.model)
         self.optimizer, self.trained = self._optimizer()
-        self.wrapped = self._wrap()
         self.ema = self._ema()
+        self._compile_models()
 
     @property
     def output(self) -> fx.GraphModule:
         """The model the run validates, returns and saves: the weight average if kept, else the weights."""
         return self.ema.module if self.ema is not None else self.model
+
+    @property
+    def validated_output(self) -> nn.Module:
+        """What validates :attr:`output`: it, or its compiled form."""
+        return self.compiled_ema if self.ema is not None else self.running
+
+    def _compile(self, module: nn.Module) -> nn.Module:
+        return self.compiled(module) if self.compiled is not None else module
+
+    def _compile_models(self) -> None:
+        """The compiled model (:attr:`running`, which trains and validates), its DDP wrapper, and the
+        weight average's compiled form; each the module itself when the run does not compile."""
+        self.running = self._compile(self.model)
+        self.wrapped = self._wrap()
+        self.compiled_ema = self._compile(self.ema.module) if self.ema is not None else None
 
     def _ema(self) -> ModelEmaV3 | None:
         """timm's weight average of the (unwrapped) model with warm-up; None when the recipe keeps none."""
@@ -98,13 +120,13 @@ class Trainer:
 
     def _wrap(self) -> nn.Module:
         if self.procs.world_size == 1:
-            return self.model
+            return self.running
         ids = [self.procs.device.index] if self.procs.device.type == "cuda" else None
         # every buffer is the same on every rank and none changes in forward (BatchNorm is folded)
         # at a depth with fewer steps than knots, some knots take no part in a batch
         unused = self.recipe.depths is not None
         return DistributedDataParallel(
-            self.model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=unused
+            self.running, device_ids=ids, broadcast_buffers=False, find_unused_parameters=unused
         )
 
     def replace_model(self, model: fx.GraphModule) -> int:
@@ -126,9 +148,9 @@ class Trainer:
                     k: v.clone() if torch.is_tensor(v) else v for k, v in old_state[old].items()
                 }
                 kept += 1
-        self.wrapped = self._wrap()
         if self.ema is not None:  # the same refinement of the average keeps its shapes the model's
             self.ema.module = refine(self.ema.module).to(self.procs.device).eval()
+        self._compile_models()
         return kept
 
     def train_epoch(
@@ -142,7 +164,7 @@ class Trainer:
         recipe, device = self.recipe, self.procs.device
         params = list(self.trained.values())
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
-        self.model.train()
+        self.running.train()
         loss = loss_name(recipe, self.teacher is not None)
         bar = BatchProgress(batches, epoch, recipe.epochs, show=show, interval=log_interval, loss=loss)
         peak = EpochPeakMemory(device)
@@ -206,8 +228,14 @@ class Trainer:
             seconds=seconds,
             lr=lr,
             peak_memory_mib=peak.mib(),
+            torchcompile=self.compile_label,
             **stage_shape(self.model),
         )
+
+    @property
+    def compile_label(self) -> str | None:
+        """How the run compiles, as its epoch records note it (None: eager)."""
+        return self.compiled.label if self.compiled is not None else None
 
     def _loss(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Cross-entropy, mixed with the distillation loss against the teacher when the recipe asks."""
