@@ -189,3 +189,27 @@ def test_inspect_marks_the_corrected_steps(native: nn.Module) -> None:
     column = [str(c) for c in table.columns[-1]._cells]
     assert column == [f"{round(s.depth / 2)}*, {s.depth}" for s in odeify.converted_stages(model)]
     assert "correction of its own" in str(table.caption)
+
+
+def test_an_any_depth_file_fine_tuned_for_its_depths_saves_and_loads(
+    native: nn.Module, tmp_path: Path
+) -> None:
+    """A calibrated any-depth file, loaded and fine-tuned with --depths, writes files that load (its
+    corrections stand for no source tensor: none is recorded for them), corrections and all."""
+    from dataclasses import replace
+
+    from odeify.train.calibration import calibrate
+    from odeify.train.datasets import open_data
+    from odeify.train.finetune import DEFAULT_RECIPE, finetune
+
+    data = open_data("digits", native)
+    model = odeify.retarget(native, backward="checkpoint")
+    fitted, _ = calibrate(
+        model, data.train.tensors[0][:32], steps=["native", "x0.5"], iterations=2, progress=False
+    )
+    odeify.save(fitted, tmp_path / "any.safetensors")
+    recipe = replace(DEFAULT_RECIPE, epochs=1, batch_size=16, depths="native,x0.5")
+    loaded = odeify.load(tmp_path / "any.safetensors")
+    finetune(loaded, data, recipe, max_batches=2, progress=False, out=tmp_path / "run")
+    back = odeify.load(tmp_path / "run" / "best.safetensors")
+    assert [s.corrected_steps for s in odeify.converted_stages(back)] == [(2,), (2,)]

@@ -70,9 +70,12 @@ def record_source(model: nn.Module, names: Iterable[str]) -> None:
     recorded already keeps that record.
     """
     stages = {id(m.knots): m for m in model.modules() if isinstance(m, StageIR)}
+    corrections = {id(c) for m in model.modules() if isinstance(m, StageIR) for c in m.corrections.values()}
     for name in names:
         path, _, attr = name.rpartition(".")
         owner = model.get_submodule(path)
+        if id(owner) in corrections:
+            continue  # a per-depth correction stands for no source tensor: native reads the knots
         stage = stages.get(id(owner), owner if isinstance(owner, StageIR) else None)
         if stage is not None:
             record_stage_source(stage)
