@@ -145,7 +145,11 @@ def test_ctrl_c_in_finetune_says_how_to_resume(
     def interrupted(args):  # noqa: ANN001, ANN202
         raise KeyboardInterrupt
 
+    from odeify.train.state import STATE_FILE
+
     monkeypatch.setattr(finetune_command, "run_finetune", interrupted)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / STATE_FILE).write_bytes(b"")  # an epoch was saved: there is a run to resume
     assert main(["finetune", "--data", "digits", "--out", str(tmp_path / "r")]) == 130
     err = capsys.readouterr().err
     assert f"odeify finetune --resume --out {tmp_path / 'r'}" in err

@@ -58,6 +58,7 @@ from odeify.codegen.emit import StepGraph
 from odeify.compiler.conversion import converted_stages
 from odeify.compiler.source_network import source_network
 from odeify.core.errors import ConfigError
+from odeify.core.words import plural
 from odeify.ir.source_tensors import record_stage_source
 from odeify.runtime.stage import ODEStage
 from odeify.train.calibration_checks import check_arguments, check_objective, check_source_known
@@ -328,7 +329,7 @@ class _Job:
             left = len(self.to_fit) - self.to_fit.index(name)
             share = max(0.0, setting.seconds - (time.perf_counter() - self.started)) / left
         tail = None if tails[0].get(name) is None else (tails[0][name].requires_grad_(False), tails[1])
-        labels = [run.depth or f"{run.steps} steps" for run in runs]
+        labels = [run.depth or plural(run.steps, "step") for run in runs]
         stage_setting = copy.copy(setting)
         stage_setting.seconds = share
         stage_setting.progress = FitProgress(
