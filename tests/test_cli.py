@@ -188,6 +188,9 @@ def test_convert_writes_a_verified_file(
     relative = ((got - expected).abs().max() / expected.abs().max()).item()
     assert printed == pytest.approx(relative, rel=1e-2, abs=1e-12)  # what it prints is what the file does
     assert "): ok" in err
+    check = odeify.convert(source, input_size=(1, 32, 32)).meta["odeify"]["verification"]
+    allowance = check["tolerance"] if isinstance(check, dict) else check.tolerance
+    assert f"allowance {allowance:.3g}," in err  # the figure judged by, not rounded to one digit
     with torch.no_grad():
         exact = as_float64(source)(x.double())
     assert_as_accurate_as({"y": got}, {"y": expected}, {"y": exact}, 2.0)  # measured 0.18x of the 8-ulp floor

@@ -176,7 +176,8 @@ def run_convert(args: argparse.Namespace) -> int:
     if check is not None and not check["passed"]:
         note(
             f"odeify: verification failed: relative error {check['relative_error']:.3g} exceeds "
-            f"{check['tolerance']:.0e}. Please report this model (the converted file was still written)."
+            f"its allowance {check['tolerance']:.3g}. Please report this model (the converted file was still "
+            "written)."
         )
         return 1
     return 0
@@ -195,7 +196,7 @@ def _verify_line(check: dict[str, Any]) -> str:
         f"verify: native manifestation vs the source on a random {shape} input (seed "
         f"{VERIFY_SEED}): max relative error {check['relative_error']:.3g} "
         f"(max |diff| {check['max_abs_diff']:.3g}; "
-        f"tolerance {check['tolerance']:.0e}): {verdict}"
+        f"allowance {check['tolerance']:.3g}, from the round-off): {verdict}"
     )
 
 

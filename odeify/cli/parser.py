@@ -269,7 +269,8 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="run the native manifestation against MODEL on one seeded random input and print the max "
-        "relative error; exit code 1 if it exceeds the dtype's tolerance (default: on)",
+        "relative error; exit code 1 if it exceeds the allowance (4x the larger of the source's and the "
+        "conversion's own round-off on that input, at least 1e-4 in float32) (default: on)",
     )
     convert.add_argument("--code", action="store_true", help="print the converted model's Python code")
     convert.add_argument("--json", action="store_true", help="print the report as JSON (nothing else)")
