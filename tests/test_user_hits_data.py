@@ -122,8 +122,9 @@ def test_case4_the_probe_of_a_huge_recorded_input_is_refused_before_it_runs(
         odeify.load(path)
     monkeypatch.delenv("ODEIFY_MAX_INPUT_BYTES")
     large = odeify.convert(str(DEFAULT_MODEL_PATH), input_size=(1, 1, 4096, 4096), verify=False)
-    with pytest.raises(OdeifyError, match="odeify.save refuses to write .* would hold"):
+    with pytest.raises(OdeifyError, match="odeify.save refuses to write .* would hold") as refused:
         odeify.save(large, tmp_path / "large.safetensors")  # save refuses what load would
+    assert ".;" not in str(refused.value)  # the check's sentence and save's clause read as one
     assert not (tmp_path / "large.safetensors").exists()
 
 

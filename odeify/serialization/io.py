@@ -111,7 +111,10 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
 
 
 def _refused(target: Path, problem: str) -> OdeifyError:
-    return OdeifyError(f"odeify.save refuses to write {target}: {problem}; odeify.load would refuse the file")
+    """Save's refusal of what load would refuse (``problem``: the check's own words, a sentence)."""
+    return OdeifyError(
+        f"odeify.save refuses to write {target}: {problem.rstrip('. ')}; odeify.load would refuse the file"
+    )
 
 
 def _refuse_unloadable(tensors: Mapping[str, torch.Tensor], target: Path) -> None:
