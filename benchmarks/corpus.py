@@ -10,8 +10,10 @@ that benchmarks and tests can check odeify on them (docs/corpus.md says what it 
   is scored on the same 359 images;
 - **timm models** (``pretrained=False``, timm's init as timm makes it, zero-init of the last BN of
   each residual branch included): resnet18, resnet26d, resnetv2_18 (pre-activation), resnet50,
-  resnet101 (a stage of 22 blocks; neither in a ``--quick`` corpus unless named) and a 6-block
-  ViT-Tiny (``vit_tiny_patch16_224`` with img_size=32, patch_size=8, depth=6), each trained as
+  resnet101 (a stage of 22 blocks; neither in a ``--quick`` corpus unless named), a 6-block
+  ViT-Tiny (``vit_tiny_patch16_224`` with img_size=32, patch_size=8, depth=6) and ``vit_user``, the
+  same on 4x4-pixel patches for 20 epochs (a user's quick run, kept out of every recipe choice; not
+  in a ``--quick`` corpus unless named), each trained as
   timm's ``train.py`` trains for the flags of a quick run (``TRAIN_PY_RECIPE``: AdamW via
   ``create_optimizer_v2``, lr 1e-3, weight decay 0.05, batch 64, 14 epochs of 22 steps (the ViT
   30) with a warm-up epoch and a cosine schedule, timm's train transforms at 32x32 without
@@ -95,6 +97,11 @@ TIMM_MODELS: dict[str, Flags] = {  # corpus name: the train.py flags that choose
         "--model-kwargs": ("img_size=32", "patch_size=8", "depth=6"),
         "--epochs": "100",  # 30 left it underfit: 84.7%, training loss 1.31 and still falling
     },
+    "vit_user": {  # a user's quick ViT, kept out of every recipe choice: 6 blocks on 4x4-pixel patches
+        "--model": "vit_tiny_patch16_224",
+        "--model-kwargs": ("img_size=32", "patch_size=4", "depth=6"),
+        "--epochs": "20",  # a short run, as a user's first try is
+    },
 }
 DIGITS_SEEDS = (0, 1, 2)
 SHIPPED_DIGITS_SEED = 0  # odeify/data/digits_resnet.safetensors records train_seed 0
@@ -129,10 +136,10 @@ class CorpusError(OdeifyError):
     """The corpus cannot be made as asked (an unknown model, an index made with other settings)."""
 
 
-NOT_QUICK = ("resnet50", "resnet101")
-"""Models a ``--quick`` corpus leaves out unless named: the same forms and code path as resnet26d's, and
-their files (train.py checkpoints with weights, EMA and optimizer state, best and last) take 2.2 GB
-(0.5 and 1.6 GB in the default corpus)."""
+NOT_QUICK = ("resnet50", "resnet101", "vit_user")
+"""Models a ``--quick`` corpus leaves out unless named: the same forms and code path as resnet26d's (the
+ResNets) and vit6's (vit_user), and the ResNets' files (train.py checkpoints with weights, EMA and
+optimizer state, best and last) take 2.2 GB (0.5 and 1.6 GB in the default corpus)."""
 
 
 def model_names(quick: bool = False) -> list[str]:
