@@ -1,14 +1,17 @@
 """Benchmark: one file for every depth against LayerDrop and against a file per depth (issue 48).
 
-On the corpus of ``benchmarks/corpus.py`` (and the digits models), at native depth, half of it and
+On the corpus of ``benchmarks/corpus.py`` (the digits models, and ``vit_user``, a user's quick ViT
+the recipes were not chosen on), at native depth, half of it and
 a quarter (a third where a quarter gives the same steps; depths that give the same steps as one
 before are dropped), each method at budgets of 0 (calibration only), 1 and 3 epochs of the default
 recipe, distilling from the source network, for each seed:
 
 - ``any-depth``: one file: the converted model calibrated for every depth at once
-  (``odeify.calibrate(steps=[...])``), then one fine-tuning run with ``Recipe.depths`` (a depth drawn
-  per batch) at the default recipe's peak for several depths (``odeify.train.recipe.DEPTHS_LR``, 1e-4),
-  read at each depth with ``odeify.set_steps`` (no re-conversion, no copy);
+  (``odeify.calibrate(steps=[...])``: native keeps the blocks, each other depth gets a correction of
+  its own, fitted as that depth's own file is), then one fine-tuning run with ``Recipe.depths`` (a
+  depth drawn per batch: native's batches train the knots, another depth's its correction) at the
+  default recipe's peak for several depths (``odeify.train.recipe.DEPTHS_LR``, 1e-4), read at each
+  depth with ``odeify.set_steps`` (no re-conversion, no copy);
 - ``any-depth, lr 3e-4``: the same file fine-tuned at 3e-4, the default peak of a run for one depth
   (and of a multi-depth run before this benchmark chose 1e-4); budget 0 is ``any-depth``'s, and is not
   repeated;
