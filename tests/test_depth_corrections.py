@@ -91,13 +91,19 @@ def test_native_depth_reads_the_knots_as_they_are(native: nn.Module) -> None:
     assert "correction" not in model.code
 
 
-def test_save_and_load_keep_the_corrections(native: nn.Module, tmp_path: Path) -> None:
-    """save -> load gives the corrections back, read at their depth; the recipe lists them."""
+def _saved(native: nn.Module, folder: Path) -> tuple[nn.Module, nn.Module, Path]:
+    """:func:`_with_correction`'s pair, the model recorded as fitted for both depths and saved."""
     model, oracle = _with_correction(native)
     for stage in odeify.converted_stages(model):
         stage.fitted_steps = (stage.steps, stage.depth)
-    path = tmp_path / "any.safetensors"
+    path = folder / "any.safetensors"
     odeify.save(model.eval(), path)
+    return model, oracle, path
+
+
+def test_save_and_load_keep_the_corrections(native: nn.Module, tmp_path: Path) -> None:
+    """save -> load gives the corrections back, read at their depth; the recipe lists them."""
+    model, oracle, path = _saved(native, tmp_path)
     back = odeify.load(path)
     x = _images()
     with torch.no_grad():
@@ -111,11 +117,7 @@ def test_save_and_load_keep_the_corrections(native: nn.Module, tmp_path: Path) -
 
 def test_a_recipe_naming_a_correction_the_file_lacks_is_refused(native: nn.Module, tmp_path: Path) -> None:
     """A recipe that names a correction the file holds no tensors for is refused, naming them."""
-    model, _ = _with_correction(native)
-    for stage in odeify.converted_stages(model):
-        stage.fitted_steps = (stage.steps, stage.depth)
-    path = tmp_path / "any.safetensors"
-    odeify.save(model.eval(), path)
+    _, _, path = _saved(native, tmp_path)
     from safetensors import safe_open
     from safetensors.torch import save_file
 
