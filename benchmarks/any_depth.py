@@ -44,8 +44,10 @@ import io
 import json
 import statistics
 import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -132,12 +134,15 @@ def _swap(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def train_layer_drop(
-    source: nn.Module, teacher: nn.Module, data, epochs: int, p: float, seed: int
-) -> nn.Module:
+    source: nn.Module, teacher: nn.Module, data, epochs: int, p: float, seed: int,
+    score: Callable[[nn.Module], float],
+) -> nn.Module:  # fmt: skip
     """``source`` trained with LayerDrop at rate ``p`` for ``epochs``: the default recipe's optimizer
     (timm's AdamW, weight decay 0.05), peak learning rate, warm-up and cosine, gradient clipping,
     batch and distillation (T=2) as odeify's fine-tuning runs them; BatchNorm statistics frozen, as
-    odeify's folded BatchNorm trains."""
+    odeify's folded BatchNorm trains. Returns the best of its epochs by ``score`` (the pruned
+    network's validation accuracy), the source as given counting as epoch 0, as a fine-tuning run's
+    best.safetensors is chosen (the convention every row is judged by)."""
     from timm.optim import create_optimizer_v2
 
     from odeify.train.datasets import make_loader
@@ -154,6 +159,7 @@ def train_layer_drop(
     loader = make_loader(data.train, recipe.batch_size, train=True, seed=seed)
     optimizer = create_optimizer_v2(model, recipe.optimizer, lr=DEFAULT_LR, weight_decay=recipe.weight_decay)
     total, step, temperature = epochs * len(loader), 0, recipe.temperature
+    best, best_score = copy.deepcopy(source).eval(), score(source.eval())
     for epoch in range(epochs):
         loader.sampler.set_epoch(epoch)
         model.train()
@@ -172,9 +178,12 @@ def train_layer_drop(
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
             optimizer.step()
             step += 1
-    for path in paths:
-        _swap(model, path, model.get_submodule(path).block)
-    return model.eval()
+        trained = copy.deepcopy(model)
+        for path in paths:
+            _swap(trained, path, trained.get_submodule(path).block)
+        if (now := score(trained.eval())) > best_score:  # a tie keeps the earlier epoch, as finetune does
+            best, best_score = trained, now
+    return best
 
 
 # -- one run ---------------------------------------------------------------------------------------
@@ -182,14 +191,19 @@ def _finetuned(
     model: nn.Module, data, teacher: nn.Module, epochs: int, seed: int, depths: str | None = None,
     lr: float | None = None,
 ):  # fmt: skip
-    from odeify.train.finetune import DEFAULT_RECIPE, finetune
+    """The file the run hands its user: best.safetensors, by the run's own rule (the worst listed
+    depth's validation accuracy with ``depths``), its start counting as epoch 0."""
+    import odeify
+    from odeify.train.finetune import BEST_FILE, DEFAULT_RECIPE, finetune
 
     if not epochs:
         return model
     recipe = replace(DEFAULT_RECIPE, epochs=epochs, depths=depths, lr=lr)
-    return finetune(
-        model, data, recipe, seed=seed, teacher=teacher, progress=False, calibrate_first=False
-    ).model
+    with tempfile.TemporaryDirectory() as folder:
+        finetune(
+            model, data, recipe, seed=seed, teacher=teacher, progress=False, calibrate_first=False, out=folder
+        )
+        return odeify.load(Path(folder) / BEST_FILE)
 
 
 def _scores(model: nn.Module, data) -> dict[str, float]:
@@ -221,11 +235,19 @@ def run(key: dict[str, Any], corpus: Path, loaded) -> dict[str, Any]:
     else:
         source = odeify.load_model(path).eval()
         coarse = odeify.retarget(native, steps=depth)
-        if method == "LayerDrop" and epochs:
-            source = train_layer_drop(source, native, data, epochs, pruned_fraction(native, depth), seed)
         input_size = native.meta["odeify"]["input_shape"][1:]
-        model = odeify.convert(layer_dropped(source, coarse), input_size=input_size, backward="checkpoint")
-        model.pretrained_cfg = native.pretrained_cfg
+
+        def pruned(network: nn.Module) -> nn.Module:
+            model = odeify.convert(
+                layer_dropped(network, coarse), input_size=input_size, backward="checkpoint"
+            )
+            model.pretrained_cfg = native.pretrained_cfg
+            return model
+
+        if method == "LayerDrop" and epochs:
+            rate, score = pruned_fraction(native, depth), lambda network: _accuracy(pruned(network), data)
+            source = train_layer_drop(source, native, data, epochs, rate, seed, score)
+        model = pruned(source)
         if method == "layer drop calibrated":
             model, _ = odeify.calibrate(model, calibration_data, source=native, seed=seed, progress=False)
             model = _finetuned(model, data, native, epochs, seed)
