@@ -189,10 +189,11 @@ def train_layer_drop(
 # -- one run ---------------------------------------------------------------------------------------
 def _finetuned(
     model: nn.Module, data, teacher: nn.Module, epochs: int, seed: int, depths: str | None = None,
-    lr: float | None = None,
+    lr: float | None = None, architecture: nn.Module | None = None,
 ):  # fmt: skip
     """The file the run hands its user: best.safetensors, by the run's own rule (the worst listed
-    depth's validation accuracy with ``depths``), its start counting as epoch 0."""
+    depth's validation accuracy with ``depths``), its start counting as epoch 0; ``architecture``:
+    the network a model converted from a custom module was (``odeify.load(model=...)``)."""
     import odeify
     from odeify.train.finetune import BEST_FILE, DEFAULT_RECIPE, finetune
 
@@ -203,7 +204,7 @@ def _finetuned(
         finetune(
             model, data, recipe, seed=seed, teacher=teacher, progress=False, calibrate_first=False, out=folder
         )
-        return odeify.load(Path(folder) / BEST_FILE)
+        return odeify.load(Path(folder) / BEST_FILE, model=architecture)
 
 
 def _scores(model: nn.Module, data) -> dict[str, float]:
@@ -250,7 +251,7 @@ def run(key: dict[str, Any], corpus: Path, loaded) -> dict[str, Any]:
         model = pruned(source)
         if method == "layer drop calibrated":
             model, _ = odeify.calibrate(model, calibration_data, source=native, seed=seed, progress=False)
-            model = _finetuned(model, data, native, epochs, seed)
+            model = _finetuned(model, data, native, epochs, seed, architecture=layer_dropped(source, coarse))
     return {"depths": {depth: _scores(model, data)}, "seconds": time.perf_counter() - started}
 
 
