@@ -513,9 +513,9 @@ def calibration_arguments(parser: argparse.ArgumentParser, *, data_flag: str) ->
         type=list_of(steps),
         action="append",
         metavar="DEPTHS",
-        help="fit one set of knots for several depths at once, each as --steps takes it: "
-        "'native,x0.5,x0.25' (comma-separated or repeated); the file keeps its own depth (default: "
-        "that depth alone)",
+        help="fit one file for several depths at once, each as --steps takes it: 'native,x0.5,x0.25' "
+        "(comma-separated or repeated): native keeps the blocks, each other depth gets a correction of "
+        "its own; the file keeps its own depth (default: that depth alone)",
     )
     objective_argument(group)
     memory_argument(group)

@@ -421,10 +421,11 @@ def _add_depth_flags(finetune: argparse.ArgumentParser) -> None:
     finetune.add_argument(
         "--depths",
         metavar="DEPTHS",
-        help="train one set of knots for several depths, e.g. native,x0.5,x0.25: each batch at one drawn "
-        "at random, every depth validated each epoch, the worst deciding best.safetensors; the file is "
-        "saved at the first and runs at each (odeify eval --steps). A new run first calibrates for all "
-        "(not a file already fitted for them); depths that give the same steps are merged",
+        help="train one file for several depths, e.g. native,x0.5,x0.25: each batch at one drawn at "
+        "random (native trains the knots, another depth its own correction), every depth validated "
+        "each epoch, the worst deciding best.safetensors; the file is saved at the first and runs at "
+        "each (odeify eval --steps). A new run first calibrates for all (not a file already fitted "
+        "for them); depths that give the same steps are merged",
     )
 
 

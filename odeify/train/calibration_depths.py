@@ -1,4 +1,4 @@
-"""The depths calibration fits one set of knots for, and the stages it leaves as they are.
+"""The depths calibration fits, and the stages it leaves as they are.
 
 A depth is what ``odeify.retarget(steps=...)`` takes; each is resolved to per-stage step counts. Two
 listed depths that give the model the same steps are one depth: fitted once, under the first label,

@@ -1,4 +1,4 @@
-"""The depths a fine-tuning run trains one set of knots for (``Recipe.depths``), as the recipe checks them.
+"""The depths a fine-tuning run trains one file for (``Recipe.depths``), as the recipe checks them.
 
 Kept apart from :mod:`odeify.train.depths` (which runs them) so that the recipe, made before any model
 exists, can check a depth list without importing the training loop.
@@ -25,7 +25,7 @@ def depth_specs(depths: str | Sequence[int | str]) -> tuple[StepsSpec, ...]:
     specs = tuple(_spec(item) for item in items)
     if not 2 <= len(specs) <= MAX_DEPTHS:
         raise ConfigError(
-            f"depths lists 2 to {MAX_DEPTHS} depths to train one set of knots for, e.g. "
+            f"depths lists 2 to {MAX_DEPTHS} depths to train one file for, e.g. "
             f"'native,x0.5,x0.25'; got {depths!r:.80}. For one depth, give it as steps (--steps)."
         )
     return specs

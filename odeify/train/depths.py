@@ -1,14 +1,15 @@
-"""Fine-tuning one set of knots for several depths at once (``Recipe.depths``, ``--depths``).
+"""Fine-tuning one file for several depths at once (``Recipe.depths``, ``--depths``).
 
 A converted model reads its knots at whatever step count each stage runs, so one file can serve
-several depths; trained at one, it drifts away at the others. With depths listed, every batch of a
-run trains at a depth drawn at random, uniformly (the cheap depths need the updates as much as
-native, whose start is exact), seeded by (seed, epoch) alone, so every rank draws the same and a
-resumed epoch draws what an uninterrupted one drew. The switch is :func:`odeify.set_steps` on the
-model itself: only the stages' graphs change, no weight is copied. Validation scores every depth,
-and the epoch's ``val_accuracy`` is the worst depth's (what decides ``best.safetensors``: the file
-is as good as its worst listed depth); the model is saved at the first listed depth, with each
-stage's fitted step counts recorded (``stage.fitted_steps``).
+several depths; trained at one, it drifts away at the others. With depths listed, each depth but
+native reads the knots plus a correction of its own (:mod:`odeify.train.depth_corrections`), and
+every batch of a run trains at a depth drawn at random, uniformly: native's batches the knots, a
+depth's batches its correction. The draws are seeded by (seed, epoch) alone, so every rank draws the
+same and a resumed epoch draws what an uninterrupted one drew. The switch is
+:func:`odeify.set_steps` on the model itself: only the stages' graphs change, no weight is copied.
+Validation scores every depth, and the epoch's ``val_accuracy`` is the worst depth's (what decides
+``best.safetensors``: the file is as good as its worst listed depth); the model is saved at the
+first listed depth, with each stage's fitted step counts recorded (``stage.fitted_steps``).
 """
 
 from __future__ import annotations

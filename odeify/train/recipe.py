@@ -65,9 +65,10 @@ class Recipe:
     1e-8). A model that already computes its teacher's function has a vanishing distillation
     gradient, which Adam divides by its own size and turns into steps of about the learning rate;
     a larger epsilon (1e-6) leaves such a model where it is (docs/finetuning.md).
-    ``depths``: train one set of knots for several depths at once, e.g. ``"native,x0.5,x0.25"``
-    (each batch at a depth drawn at random; every depth validated, the worst one deciding the best
-    epoch: :mod:`odeify.train.depths`); None trains the model at the depth it runs.
+    ``depths``: train one file for several depths at once, e.g. ``"native,x0.5,x0.25"`` (each batch at
+    a depth drawn at random, training native's knots or that depth's own correction; every depth
+    validated, the worst one deciding the best epoch: :mod:`odeify.train.depths`); None trains the
+    model at the depth it runs.
     """
 
     epochs: int = 6
