@@ -130,6 +130,30 @@ def test_a_recipe_naming_a_correction_the_file_lacks_is_refused(native: nn.Modul
         odeify.load(broken)
 
 
+def test_a_recipe_naming_a_correction_for_an_unfitted_depth_is_refused(
+    native: nn.Module, tmp_path: Path
+) -> None:
+    """corrected_steps must be among the stage's fitted_steps: a correction is fitted for its depth."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from odeify.serialization.io import RECIPE_KEY
+
+    _, _, path = _saved(native, tmp_path)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    recipe = json.loads(meta[RECIPE_KEY])
+    for stage in recipe["stages"]:
+        stage["fitted_steps"] = [stage["knots"]]  # native alone: not the corrected half depth
+    altered = tmp_path / "altered.safetensors"
+    save_file(tensors, str(altered), metadata={**meta, RECIPE_KEY: json.dumps(recipe)})
+    with pytest.raises(ModelLoadError, match="corrected_steps must be among its fitted_steps"):
+        odeify.load(altered)
+
+
 def test_native_depth_takes_no_correction(native: nn.Module) -> None:
     """Native depth reads the knots themselves: a correction there is refused."""
     stage = odeify.converted_stages(copy.deepcopy(native))[0]
