@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from odeify.ir.meta import tag
-from odeify.ir.stage_ir import CORRECTION_PREFIX, Slot, StageIR, template_inputs
+from odeify.ir.stage_ir import Slot, StageIR, template_inputs
 from odeify.numerics.schemes import Add, Evaluate, Op, Reflect, ReversibleScheme
 from odeify.numerics.tableaus import TABLEAUS, Splitting, Tableau
 
@@ -77,9 +77,8 @@ class StageWriter:
             name = f"{self.tag}_{slot.name}"
             stack = self.attr(stage.slot_attr(slot), name)
             if correction is not None and slot.name in correction:
-                key = f"{CORRECTION_PREFIX}{stage.steps}"
                 fixed = self.node("call_method", "detach", (stack,), name=f"{name}_fixed")
-                delta = self.attr(f"corrections.{key}.{slot.name}", f"{name}_correction")
+                delta = self.attr(stage.correction_attr(slot), f"{name}_correction")
                 stack = self.node("call_function", operator.add, (fixed, delta), name=f"{name}_corrected")
             stacks[slot.name] = stack
         return stacks

@@ -253,6 +253,14 @@ class StageIR(nn.Module):
             }
         )
 
+    def hold_zero_correction(self, steps: int) -> None:
+        """Hold a correction of zeros at ``steps`` (to be trained, or loaded into)."""
+        self.set_correction(steps, {name: torch.zeros_like(knots) for name, knots in self.knots.items()})
+
+    def correction_attr(self, slot: Slot) -> str:
+        """The attribute path, relative to this module, of ``slot``'s correction at the stage's steps."""
+        return f"corrections.{CORRECTION_PREFIX}{self.steps}.{slot.name}"
+
     def drop_corrections(self) -> None:
         """Forget every correction (the knots change meaning: refitted, or the source's again)."""
         self.corrections = nn.ModuleDict()

@@ -238,9 +238,7 @@ def _restore_corrections(converted: nn.Module, recipe: Recipe) -> None:
     corrected = {entry.name: entry.corrected_steps or () for entry in recipe.stages}
     for stage in converted_stages(converted):
         for steps in corrected[stage.stage_name]:
-            stage.set_correction(
-                steps, {name: torch.zeros_like(knots) for name, knots in stage.knots.items()}
-            )
+            stage.hold_zero_correction(steps)
 
 
 def _restore_fitted_steps(converted: nn.Module, recipe: Recipe) -> None:

@@ -157,7 +157,7 @@ def hold_corrections(model: fx.GraphModule, depths: Sequence[Mapping[str, int]])
     for stage in converted_stages(model):
         for steps in sorted({depth[stage.stage_name] for depth in depths}):
             if steps != stage.depth and stage.correction(steps) is None and stage.num_knots == stage.depth:
-                stage.set_correction(steps, {n: torch.zeros_like(k) for n, k in stage.knots.items()})
+                stage.hold_zero_correction(steps)
                 added = True
     if added:
         relower(model)
@@ -170,9 +170,7 @@ def adopt_corrections(model: fx.GraphModule, calibrated: fx.GraphModule) -> None
     for stage in converted_stages(calibrated):
         for steps in stage.corrected_steps:
             if own[stage.stage_name].correction(steps) is None:
-                own[stage.stage_name].set_correction(
-                    steps, {n: torch.zeros_like(k) for n, k in stage.knots.items()}
-                )
+                own[stage.stage_name].hold_zero_correction(steps)
     with torch.no_grad():
         model.load_state_dict(calibrated.state_dict())
     relower(model)
