@@ -31,7 +31,7 @@ import torch.fx as fx
 from odeify.ir.plan import Run
 from odeify.passes.graph_utils import data_nodes, shape_nodes
 
-__all__ = ["FieldGlue", "GlueError", "field_glues", "run_end", "run_members"]
+__all__ = ["FieldGlue", "GlueError", "field_glues", "replay_layout", "run_end", "run_members"]
 
 
 class GlueError(Exception):
@@ -164,7 +164,7 @@ def _identity_layouts(period: Sequence[Segment], state: fx.Node, gm: fx.GraphMod
     for segment in period:
         env[segment.source] = value
         for node in segment.nodes:
-            env[node] = _replay(node, env, data)
+            env[node] = replay_layout(node, env, data)
         value = env[segment.nodes[-1]] if segment.nodes else value
         identity.append(value.shape == start.shape and torch.equal(value, start))
     return identity
@@ -176,11 +176,11 @@ def _evaluate(node: fx.Node, env: dict[fx.Node, object], data: set[str]) -> obje
         return env[node]
     if node.op not in ("call_function", "call_method") or node.name in data:
         raise GlueError(f"the glue reads '{node.name}', which is neither the state, glue nor a shape read")
-    env[node] = _replay(node, env, data)
+    env[node] = replay_layout(node, env, data)
     return env[node]
 
 
-def _replay(node: fx.Node, env: dict[fx.Node, object], data: set[str]) -> object:
+def replay_layout(node: fx.Node, env: dict[fx.Node, object], data: set[str]) -> object:
     """Run one glue node or shape read on the values its arguments have in ``env``."""
     args = fx.map_arg(node.args, lambda n: _evaluate(n, env, data))
     kwargs = fx.map_arg(node.kwargs, lambda n: _evaluate(n, env, data))

@@ -38,6 +38,7 @@ from odeify.passes.contract import (
 from odeify.passes.fold_bn import FoldedNorm, fold_batchnorm
 from odeify.passes.head import head_nodes
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
+from odeify.passes.partial_residuals import whole_residuals
 from odeify.passes.properties import BLOCKS, BN_FOLDED, LOWERED, RUNS, SEGMENTS, SHAPES, STAGE_CALLS
 from odeify.passes.residual_blocks import find_blocks
 from odeify.passes.segments import checkpoint_segments, has_segments, inline_segments
@@ -71,6 +72,13 @@ def _apply_fold_bn(model: nn.Module, cache: dict) -> Applied:
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in folded.modules())
     assert sum(1 for m in folded.modules() if isinstance(m, FoldedNorm)) == norms  # 0 for NF-ResNet
     yield "folded", folded
+
+
+def _apply_whole_residuals(model: nn.Module, cache: dict) -> Applied:
+    """A no-op on these models (no add on part of a stream; tests/test_whole_residuals.py has CoaT's)."""
+    gm = trace(copy.deepcopy(model)).graph_module
+    annotate_shapes(gm, SHAPE)
+    yield "whole residuals", whole_residuals(gm).graph_module
 
 
 def _converted(model: nn.Module, cache: dict) -> fx.GraphModule:
@@ -120,6 +128,7 @@ def _apply_inline_segments(model: nn.Module, cache: dict) -> Applied:
 
 REGISTRY: dict[str, Apply] = {
     "trace": _apply_trace,
+    "whole_residuals": _apply_whole_residuals,
     "fold_batchnorm": _apply_fold_bn,
     "lift_runs": _apply_lift,
     "mark_head": _apply_mark_head,

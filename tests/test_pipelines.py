@@ -43,9 +43,10 @@ def test_a_step_runs_the_pass_whose_declaration_it_checks() -> None:
 
 def test_convert_runs_its_passes_in_the_declared_order() -> None:
     names = [step.name for step in CONVERT.steps]
-    assert names[:6] == [
+    assert names[:7] == [
         "trace",
         "annotate_shapes",
+        "whole_residuals",
         "fold_batchnorm",
         "find_blocks",
         "group_runs",

@@ -3,15 +3,17 @@
 Each :class:`~odeify.compiler.pipeline.Step` takes the pass function itself (its declaration comes
 with it), the job's parts it is called with, and what the job keeps of its result.
 
-* :data:`ANALYZE`: trace, shapes, find blocks, group runs (``odeify.analyze``);
-* :data:`CONVERT`: trace, shapes, fold BatchNorm, find blocks, group runs, lift the runs into
-  native stages, record the conversion, mark timm's head, set the requested manifestation, lower,
-  and checkpoint the segments for a whole-model backward (``odeify.convert``, and ``odeify.load``
-  with the file's recipe as the manifestation);
+* :data:`ANALYZE`: trace, shapes, residuals on part of a stream made whole, find blocks, group runs
+  (``odeify.analyze``);
+* :data:`CONVERT`: trace, shapes, whole residuals, fold BatchNorm, find blocks, group runs, lift
+  the runs into native stages, record the conversion, mark timm's head, set the requested
+  manifestation, lower, and checkpoint the segments for a whole-model backward (``odeify.convert``,
+  and ``odeify.load`` with the file's recipe as the manifestation);
 * :data:`REMANIFEST`: inline segments, raise the stages, set the manifestation, lower, checkpoint
   segments (``odeify.retarget`` on a copy, ``odeify.set_backward`` in place).
 
-plus :data:`TRACE_SHAPES` and :data:`ANALYZE_GRAPH`, the first two parts of ANALYZE on their own.
+plus :data:`TRACE_SHAPES` (trace, shapes, whole residuals) and :data:`ANALYZE_GRAPH` (the rest),
+the two parts of ANALYZE on their own.
 ``tests/test_pipelines.py`` checks each order with :meth:`Pipeline.check`.
 """
 
@@ -34,6 +36,7 @@ from odeify.passes.head import mark_head
 from odeify.passes.lift import RunParts, SplitParts, lift_runs
 from odeify.passes.lower import lower_stages, raise_stages, stage_nodes
 from odeify.passes.manifest import set_manifestation
+from odeify.passes.partial_residuals import whole_residuals
 from odeify.passes.properties import LOWERED, SEGMENTS, SHAPES
 from odeify.passes.residual_blocks import find_blocks
 from odeify.passes.runs import group_runs
@@ -191,7 +194,7 @@ def _whole_model(job: Job) -> bool:
     return job.whole_model
 
 
-_TRACE = (Step(trace, _model_of), Step(annotate_shapes, _graph_and_shape))
+_TRACE = (Step(trace, _model_of), Step(annotate_shapes, _graph_and_shape), Step(whole_residuals))
 _ANALYSIS = (Step(find_blocks, keep=_keep_blocks), Step(group_runs, _graph_and_blocks, _keep_plan))
 
 TRACE_SHAPES = Pipeline("trace", _TRACE)
