@@ -572,8 +572,8 @@ def totals(rows: list[Row]) -> list[str]:
         + (f" ({', '.join(stageless)})" if stageless else ""),
         f"converted models with a stage deeper than one block: {len(deep)} of {len(converted)}",
         f"residual adds inside stages, in the converted models: {inside} of the {adds} residual adds of "
-        f"their traces ({share(inside, adds)}); of the {blocks} residual blocks odeify found, "
-        f"{share(inside, blocks)}",
+        f"their traces ({share(inside, adds)}), in the {blocks} residual blocks odeify found (an add inside "
+        "a block's branch, a rotary embedding's, counts inside its stage and is no block)",
         f"VerificationErrors: {len(raised)}"
         + (f" ({', '.join(raised)})" if raised else "")
         + f"; false (the fp64 conversion agrees to {FALSE_ALARM:.0e}): {len(false)}"
