@@ -5,8 +5,10 @@ activations in the re-run, the cotangents) grows with the batch; what it keeps b
 backward does not need to. A stage's field is per sample (a BatchNorm in training mode is refused,
 :func:`odeify.runtime.rerun.training_batchnorm`) and so is the lattice (one spacing per sample), so
 a slice of the batch computes its samples' states on its own. Forward and backward use the same
-slices, so the rebuild stays exact whatever a kernel does at another batch size (the CPU's conv
-kernels give a slice the whole batch's bits: tests/test_batch_slices.py).
+slices, so the rebuild stays exact whatever a kernel does at another batch size. A slice's outputs
+need not carry the whole batch's bits: on the CPU we measured, convs on maps of 7x7 and larger gave a
+slice the batch's bits, one-sample slices of smaller maps did not (their float32 error, still within
+its own round-off, was about twice the batch's); tests/test_batch_slices.py checks the rebuild.
 
 A slice is sized by what one sample costs while it steps: its float64 register plus the tensors one
 evaluation of the field creates for it (what a re-run with grad keeps), measured once per input
