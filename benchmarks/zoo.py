@@ -66,6 +66,7 @@ from machine import command_line, describe_machine, write_results
 from tables import bullets, markdown_table
 
 import odeify
+from odeify.compiler.analysis import trace_and_annotate
 from odeify.compiler.conversion import converted_stages
 from odeify.compiler.verification import VerificationError
 from odeify.core.errors import OdeifyError
@@ -74,7 +75,7 @@ from odeify.ir.plan import Run
 from odeify.models._testing import make_test_model
 from odeify.models.timm_interface import default_input_size
 from odeify.passes.graph_utils import data_nodes, is_add_join
-from odeify.passes.tracing import annotate_shapes, node_shape, trace
+from odeify.passes.tracing import node_shape
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zoo"
 COMMON = (
@@ -215,9 +216,9 @@ def build(name: str, img_size: int | None) -> torch.nn.Module:
 
 def residual_adds(model: torch.nn.Module, shape: tuple[int, ...]) -> set[str]:
     """The names of the adds in the fx trace of two tensors of the sum's shape, both computed from the
-    input (``odeify.analyze`` traces alike, so its blocks name the same nodes)."""
-    gm = trace(model).graph_module
-    annotate_shapes(gm, shape)
+    input: the graph ``odeify.analyze`` reads (traced, shapes, a residual on part of a stream made
+    whole), so its blocks name the same nodes."""
+    gm = trace_and_annotate(model, shape)
     data = data_nodes(gm.graph)
     found = set()
     for node in gm.graph.nodes:
