@@ -1,7 +1,8 @@
 """Benchmark: one whole-model training step, timm against odeify's backward modes.
 
-resnet50 and resnet152 with random non-trivial weights (``make_test_model``: no zero-initialised
-branches, randomised BN statistics), a batch of 8 224x224 images, fp32, cross-entropy, on the CPU.
+resnet50 and resnet152 (``--models``: resnet18 and two transformers too) with random non-trivial
+weights (``make_test_model``: no zero-initialised branches, randomised BN statistics), a batch of 8
+224x224 images (``--batch``, ``--img-size``), fp32, cross-entropy, on the CPU.
 Rows: timm plain and with ``set_grad_checkpointing(True)`` (both in train mode, as a user trains),
 and the converted model trained with backprop / checkpoint / reverse (Euler) and reversible:
 reversible Heun (on the default piecewise-constant weight path, and on a linear one, where
@@ -10,28 +11,47 @@ per step, strictly inside it; v_0 = 0, the default, and v_0 = F(t_0, z_0), one m
 stage), at native steps and at 4x steps. The memory-free modes run with the whole-model memory
 plan: the parts between stages are checkpointed (``odeify.passes.segments``).
 
-Each configuration runs in a fresh process: build and convert, a warm-up step (builds the step
-graphs, allocates the gradients), one measured step; then ``--repeats`` timed steps, taken in turns
-with the other configurations of its model and steps, whose processes are alive together (each
-round steps every one of them once, in order). A change of the machine's speed during the run then
-moves timm plain's steps and the other rows' alike: one process after another, timm plain's own
-median moved 1.67 -> 2.19 s on resnet50 between two runs 16 minutes apart on the shared 2-core
-machine, and its ratios with it. Columns:
+Compiled rows (``--rows``, none by default: inductor takes a minute or more per model on a small
+CPU): each row's name with ``+ torch.compile`` appended is ``torch.compile(model)`` with inductor's
+defaults, as timm's ``train.py --torchcompile`` runs it; with ``+ torch.compile, no layout
+optimization`` the same with ``torch._inductor.config.layout_optimization = False`` (otherwise
+inductor makes channels_last copies of convolution inputs and weights, and saves them for backward).
+
+Each configuration runs in a fresh process: build and convert, a first step (builds the step
+graphs, allocates the gradients; a compiled row compiles here), one measured step; then
+``--repeats`` timed steps, taken in turns with the other configurations of its model and steps,
+whose processes are alive together (each round steps each of them once, in order); then one step
+whose peak is counted. A change of the machine's speed during the run then moves timm plain's
+steps and the other rows' alike: one process after another, timm plain's own median moved
+1.67 -> 2.19 s on resnet50 between two runs 16 minutes apart on the shared 2-core machine, and its
+ratios with it. Columns:
 
 - saved: bytes autograd saves for backward during the forward, once per storage, parameters
   excluded (``benchmarks/memory.py``);
-- RSS growth: the process's peak resident memory during the measured step over its resident
-  memory before it;
+- step peak: the most bytes the CPU allocator held at once during one step over what it held at
+  the step's start (gradients allocated before it), from the allocation events of
+  ``torch.profiler(profile_memory=True)``: every CPU tensor's storage, a compiled graph's buffers
+  included, not oneDNN's own scratch memory. Not :class:`odeify.inspection.TensorPeak`: under a
+  ``TorchDispatchMode`` dynamo runs the compiled model eagerly, so that count is eager's;
+- RSS peak (``--rss-peak``): the process's peak resident memory during one step over its resident
+  memory before it, in another fresh process that returns freed blocks to the system at once
+  (``mallopt(M_MMAP_THRESHOLD, 64 KiB)``), after two steps (a compiled row's compile included);
+- first step: the first step's wall time, a compiled row's cold compile included (each compiled
+  row compiles into an empty inductor cache, as a user's first run does);
+- recompiles (compiled rows): frames dynamo compiled after the first step, over every later step
+  (the measured, timed and peak steps); graphs and graph breaks: what the first step compiled;
 - step time: median wall time of the timed steps (spread: the fastest and the slowest of them), as
   a ratio to timm plain on the same model in the same run (and the same for process CPU time, less
   sensitive to a busy machine);
-- grad err: relative error of all parameter gradients (one vector) against backprop of the same
-  manifestation (same integrator, basis and steps), computed in the same process after timing;
-- fp32 band (reversible rows, native steps): that backprop run on one thread against itself on
-  all threads: how far apart two correct fp32 gradients of this model already are;
-- vs fp64, backprop vs fp64 (the same rows): this row's gradients and fp32 backprop's against
-  backprop of the same model in float64 (the exact gradient, to round-off): whether the memory-free
-  gradient is as accurate as the one the user would otherwise get;
+- grad err: relative error of all parameter gradients (one vector) against eager backprop of the
+  same manifestation (same integrator, basis and steps; timm's own eager model for timm compiled),
+  computed in the same process after timing;
+- fp32 band (reversible rows, native steps, more than one thread): that backprop run on one thread
+  against itself on all threads: how far apart two correct fp32 gradients of this model already are;
+- vs fp64, backprop vs fp64 (those rows and every compiled row): this row's gradients and eager fp32
+  backprop's against eager backprop of the same model in float64 (the exact gradient, to
+  round-off): whether the memory-free or compiled gradient is as accurate as the one the user would
+  otherwise get;
 - fallbacks: backward passes that could not stay memory-free (reverse: reconstruction failed;
   reversible: the state could not be kept exactly), out of all passes the process ran.
 
@@ -49,22 +69,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
-from child import SteppedChild, report_to_parent, requests
+from child import SteppedChild, report_to_parent, requests, run_child
 from machine import command_line, describe_machine, provenance, save_figure, write_results
 from memory import SavedBytes, reset_peak_rss, rss
 from tables import bullets, markdown_table, print_table
 from torch import nn
+from torch._dynamo.utils import counters
+from torch.autograd import DeviceType
 
 import odeify
 from odeify.models._testing import make_test_model
@@ -75,7 +101,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ["resnet50", "resnet152"]
 VIT = "vit_small_patch16_224"
 SWIN = "swin_tiny_patch4_window7_224"
-MODEL_CHOICES = [*MODELS, VIT, SWIN]
+MODEL_CHOICES = [*MODELS, "resnet18", VIT, SWIN]
 SPLIT_MODELS = (VIT, SWIN)
 """Models whose runs become split stages (a ViT's attention and MLP halves; a Swin's four sub-fields,
 window attention, MLP, shifted-window attention, MLP, in stages 3 and 4): Euler means
@@ -94,6 +120,8 @@ class Row:
     backward: str | None = None
     basis: str = "constant"
     grad_checkpointing: bool = False
+    compiled: bool = False  # torch.compile(model), inductor
+    layout_optimization: bool = True  # inductor's channels_last copies (compiled rows)
 
 
 ROWS = {
@@ -107,6 +135,23 @@ ROWS = {
     "odeify reversible ALF": Row("alf", "reversible"),
     "odeify reversible ALF, v0 = F(t0, z0)": Row(AsyncLeapfrog("field"), "reversible"),
 }
+COMPILED = " + torch.compile"
+NO_LAYOUT = " + torch.compile, no layout optimization"
+ALL_ROWS = {
+    **ROWS,
+    **{name + COMPILED: replace(row, compiled=True) for name, row in ROWS.items()},
+    **{
+        name + NO_LAYOUT: replace(row, compiled=True, layout_optimization=False) for name, row in ROWS.items()
+    },
+}
+"""``ROWS`` (eager, what the other benchmarks build) and each compiled: ``--rows`` names any of them."""
+
+
+def eager_twin(name: str) -> str:
+    """The eager row a compiled row compiles (``name`` itself for an eager row)."""
+    return name.removesuffix(NO_LAYOUT).removesuffix(COMPILED)
+
+
 PROFILED = [
     "timm",
     "timm + grad checkpointing",
@@ -133,10 +178,14 @@ class Result:
     row: str
     steps: str
     saved: int
-    rss_growth: int
-    warmup: float
+    peak: int  # the CPU allocator's, over the step's start
+    first_step: float
     times: list[float]
     cpu_times: list[float]
+    rss_peak: int | None = None  # --rss-peak: in a process of its own
+    recompiles: int | None = None  # compiled rows: frames compiled after the first step
+    graphs: int = 0  # compiled rows: graphs the first step compiled
+    graph_breaks: int = 0
     grad_error: float = math.nan
     band: float = math.nan  # fp32 backprop on 1 thread against itself on all threads
     truth_error: float = math.nan  # this row's gradients against fp64 backprop
@@ -190,11 +239,12 @@ def _weaken_branches(model: nn.Module, scale: float) -> None:
                 p.copy_(before[name] * scale if zeroed else before[name])
 
 
-def build(model_name: str, row: Row, steps: str, weights: str = "random") -> nn.Module:
+def build(model_name: str, row: Row, steps: str, weights: str = "random", size: int = SIZE) -> nn.Module:
+    """``model_name`` with test weights (``weights``) as ``row`` trains it at ``size`` x ``size`` images."""
     model = make_test_model(model_name)
     if weights == "trained-like":
         _weaken_branches(model, TRAINED_LIKE_BRANCH_SCALE)
-    return as_row(model, row, steps)
+    return as_row(model, row, steps, size)
 
 
 def as_row(model: nn.Module, row: Row, steps: str, size: int = SIZE) -> nn.Module:
@@ -212,65 +262,155 @@ def as_row(model: nn.Module, row: Row, steps: str, size: int = SIZE) -> nn.Modul
 
 
 def child(args: argparse.Namespace) -> None:
-    row = ROWS[args.row]
-    model = build(args.model, row, args.steps, args.weights)
+    """One configuration, in this process, compiling into an inductor cache of its own."""
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # empty: a cold compile, as a user's first run's
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Build, step and report to the parent: its timed steps on its turns, then the :class:`Result`;
+    with ``--part rss`` only the RSS peak."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.part == "rss":
+        return_freed_memory()
+    row = ALL_ROWS[args.row]
+    model = build(args.model, row, args.steps, args.weights, args.img_size)
+    run = compiled(model, row) if row.compiled else model
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH, 3, SIZE, SIZE, generator=g)
-    labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
+    x = torch.randn(args.batch, 3, args.img_size, args.img_size, generator=g)
+    labels = torch.randint(0, CLASSES, (args.batch,), generator=g)
     saved = SavedBytes(model.parameters())
 
-    def step(count: bool = False, inputs: torch.Tensor = x) -> tuple[float, float]:
-        model.zero_grad(set_to_none=True)
+    def step(
+        net: nn.Module = run, count: bool = False, inputs: torch.Tensor = x, keep_grads: bool = False
+    ) -> tuple[float, float]:
+        model.zero_grad(set_to_none=not keep_grads)  # kept: allocated before the step, not in its peak
         wall, cpu = time.perf_counter(), time.process_time()
         with saved.counting() if count else contextlib.nullcontext():
-            loss = F.cross_entropy(model(inputs), labels)
+            loss = F.cross_entropy(net(inputs), labels)
         loss.backward()
         return time.perf_counter() - wall, time.process_time() - cpu
 
     warnings.filterwarnings("ignore", "odeify: stage", RuntimeWarning)  # fallbacks are counted below
-    warmup, _ = step()
-    before = rss("VmRSS")
-    reset_peak_rss()
+    first, _ = step()
+    frames, graphs, graph_breaks = dynamo_counts()
+    if args.part == "rss":
+        report_to_parent({"rss_peak": rss_peak(step)})
+        return
     step(count=True)
-    growth = rss("VmHWM") - before
     report_to_parent({"ready": True})
     timings = []
     for _ in requests():  # the parent's turns: one timed step each
         timings.append(step())
         report_to_parent({"wall": timings[-1][0]})
+    peak = allocator_peak(lambda: step(keep_grads=True))
     stages = odeify.converted_stages(model) if row.integrator else []
     result = Result(
         model=args.model,
         row=args.row,
         steps=args.steps,
         saved=saved.total,
-        rss_growth=growth,
-        warmup=warmup,
+        peak=peak,
+        first_step=first,
         times=[t for t, _ in timings],
         cpu_times=[c for _, c in timings],
+        recompiles=dynamo_counts()[0] - frames if row.compiled else None,
+        graphs=graphs,
+        graph_breaks=graph_breaks,
         fallbacks=sum(s.adjoint_stats.fallbacks for s in stages),
         passes=sum(s.adjoint_stats.backward_passes for s in stages),
     )
     if args.profile:
         result.profile = profile(step)
-    if row.integrator and row.backward != "backprop":
-        got = [p.grad.detach().clone() for p in model.parameters()]
-        odeify.set_backward(model, "backprop")  # in place; inlines the segments too
-        step()
-        want = [p.grad.detach().clone() for p in model.parameters()]
-        result.grad_error = relative_error(got, want)
-        if row.backward == "reversible" and args.steps == "native":
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # other kernels, other summation order: fp32's own spread
-            step()
-            torch.set_num_threads(threads)
-            result.band = relative_error([p.grad for p in model.parameters()], want)
-            model.double()  # the exact gradient, to round-off: both fp32 methods measured against it
-            step(inputs=x.double())
-            truth = [p.grad.detach() for p in model.parameters()]
-            result.truth_error = relative_error(got, truth)
-            result.backprop_truth_error = relative_error(want, truth)
+    if row.compiled or (row.integrator and row.backward != "backprop"):
+        check_gradients(result, model, row, step, x)
     report_to_parent(result)
+
+
+def compiled(model: nn.Module, row: Row) -> nn.Module:
+    """``torch.compile(model)`` as timm's ``train.py --torchcompile`` runs it: inductor, default mode."""
+    if not row.layout_optimization:
+        torch._inductor.config.layout_optimization = False
+    return torch.compile(model)
+
+
+def dynamo_counts() -> tuple[int, int, int]:
+    """Frames dynamo has compiled in this process (recompilations included), the graphs they made and
+    the graph breaks they met (``torch._dynamo``'s counters)."""
+    return (
+        counters["frames"]["total"],
+        counters["stats"]["unique_graphs"],
+        sum(counters["graph_break"].values()),
+    )
+
+
+def allocator_peak(step: Callable[[], object]) -> int:
+    """The most bytes the CPU allocator held at once during ``step()`` over what it held before it.
+
+    From the allocation events of ``torch.profiler(profile_memory=True)``, which see every CPU
+    storage, a compiled graph's buffers included. A block allocated before and freed during the step
+    is not seen (its event carries no size), so a peak can only be over-counted.
+    """
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        step()
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    ]
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory() -> None:
+    """Have glibc return every freed block of 64 KiB or more to the system at once (as
+    ``MALLOC_MMAP_THRESHOLD_=65536`` does), so that resident memory follows the tensors alive."""
+    if not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 65536):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the RSS peak needs glibc")
+
+
+def rss_peak(step: Callable[..., object]) -> int:
+    """Peak resident bytes of one step over those before it, after a second step (the first compiled)."""
+    step()
+    before = rss("VmRSS")
+    reset_peak_rss()
+    step(keep_grads=True)
+    return rss("VmHWM") - before
+
+
+def check_gradients(
+    result: Result, model: nn.Module, row: Row, step: Callable[..., object], x: torch.Tensor
+) -> None:
+    """The last step's gradients against eager backprop's (fp32, and fp64 where asked), into ``result``."""
+    got = [p.grad.detach().clone() for p in model.parameters()]
+    if row.integrator and row.backward != "backprop":
+        odeify.set_backward(model, "backprop")  # in place; inlines the segments too
+    step(net=model)
+    want = [p.grad.detach().clone() for p in model.parameters()]
+    result.grad_error = relative_error(got, want)
+    exact = row.backward == "reversible" and result.steps == "native"
+    threads = torch.get_num_threads()
+    if exact and threads > 1:
+        torch.set_num_threads(1)  # other kernels, other summation order: fp32's own spread
+        step(net=model)
+        torch.set_num_threads(threads)
+        result.band = relative_error([p.grad for p in model.parameters()], want)
+    if not (exact or row.compiled):
+        return
+    model.double()  # the exact gradient, to round-off: both fp32 methods measured against it
+    step(net=model, inputs=x.double())
+    truth = [p.grad.detach() for p in model.parameters()]
+    result.truth_error = relative_error(got, truth)
+    result.backprop_truth_error = relative_error(want, truth)
 
 
 def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -320,26 +460,26 @@ Configuration = tuple[str, str, str]  # (model, row, steps)
 
 
 def measure_together(
-    group: list[Configuration], repeats: dict[str, int], profiled: set[Configuration], weights: str
+    group: list[Configuration], repeats: dict[str, int], profiled: set[Configuration], options: list[str]
 ) -> tuple[list[Result], list[str]]:
     """Run ``group``'s configurations in fresh processes that are alive together, and read their results.
 
-    Each process is built, warmed up and measured (saved bytes, RSS growth) while the others wait;
-    then the timed steps go round: every round steps each configuration once, in order. Returns the
-    results in ``group``'s order and one line per configuration that failed (the others go on).
+    Each process is built, takes its first step (compiles) and is measured (saved bytes) while the
+    others wait; then the timed steps go round: every round steps each configuration once, in order.
+    ``options``: the child arguments every configuration shares. Returns the results in ``group``'s
+    order and one line per configuration that failed (the others go on).
     """
     children: dict[Configuration, SteppedChild] = {}
     failures: list[str] = []
 
     def failed(config: Configuration, error: RuntimeError) -> None:
-        failures.append(str(error).splitlines()[0] + " " + str(error).splitlines()[-1])
-        print(f"  {failures[-1]}", file=sys.stderr, flush=True)
+        failures.append(failure(error))
         children.pop(config, None)
 
     for config in group:
         model, row, steps = config
         arguments = [
-            "--model", model, "--row", row, "--steps", steps, "--weights", weights,
+            "--model", model, "--row", row, "--steps", steps, *options,
             *(["--profile"] if config in profiled else []),
         ]  # fmt: skip
         try:
@@ -366,6 +506,25 @@ def measure_together(
     return results, failures
 
 
+def failure(error: RuntimeError) -> str:
+    """A failed child's line (its first and last), printed as it happens."""
+    line = str(error).splitlines()[0] + " " + str(error).splitlines()[-1]
+    print(f"  {line}", file=sys.stderr, flush=True)
+    return line
+
+
+def add_rss_peaks(results: list[Result], options: list[str]) -> list[str]:
+    """Each result's RSS peak, from a fresh process of its own (one at a time); the failures' lines."""
+    failures = []
+    for r in results:
+        arguments = ["--model", r.model, "--row", r.row, "--steps", r.steps, *options, "--part", "rss"]
+        try:
+            r.rss_peak = run_child(__file__, arguments, f"{r.model} / {r.row} / {r.steps} RSS")["rss_peak"]
+        except RuntimeError as error:
+            failures.append(failure(error))
+    return failures
+
+
 def groups(configs: list[Configuration]) -> list[list[Configuration]]:
     """``configs`` by (model, steps), in order: the configurations whose times are compared step by
     step (every row against timm plain at native steps, ALF against reversible Heun at 4x)."""
@@ -386,19 +545,19 @@ def configurations(
     chosen = []
     for model in models:
         for row in rows:
-            for s in steps if ROWS[row].integrator else ["native"]:
-                if model in SPLIT_MODELS and row == "odeify reversible ALF, v0 = F(t0, z0)":
+            for s in steps if ALL_ROWS[row].integrator else ["native"]:
+                if model in SPLIT_MODELS and eager_twin(row) == "odeify reversible ALF, v0 = F(t0, z0)":
                     continue
-                if s == "native" or every_deep or model == MODELS[0] or row in FLAT_ROWS:
+                if s == "native" or every_deep or model == MODELS[0] or eager_twin(row) in FLAT_ROWS:
                     chosen.append((model, row, s))
     return chosen
 
 
 # -- reporting ------------------------------------------------------------------------------------
 HEADERS = (
-    "model", "row", "steps", "saved MiB", "saved vs timm", "RSS growth MiB", "step s",
-    "spread s", "time vs timm", "CPU time vs timm", "grad err", "fp32 band", "vs fp64", "backprop vs fp64",
-    "fallbacks",
+    "model", "row", "steps", "saved MiB", "saved vs timm", "step peak MiB", "peak vs timm", "RSS peak MiB",
+    "first step s", "step s", "spread s", "time vs timm", "CPU time vs timm", "recompiles", "grad err",
+    "fp32 band", "vs fp64", "backprop vs fp64", "fallbacks",
 )  # fmt: skip
 
 
@@ -406,24 +565,82 @@ def baseline(result: Result, results: list[Result]) -> Result:
     return next(r for r in results if r.model == result.model and r.row == "timm")
 
 
+def mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / MB:.1f}"
+
+
+def error(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1e}"
+
+
 def cells(r: Result, results: list[Result]) -> tuple[str, ...]:
     base = baseline(r, results)
     return (
         r.model,
         r.row,
-        r.steps if ROWS[r.row].integrator else "-",
+        r.steps if ALL_ROWS[r.row].integrator else "-",
         f"{r.saved / MB:.0f}",
         f"{r.saved / base.saved:.2f}",
-        f"{r.rss_growth / MB:.0f}",
-        f"{r.time:.2f}",
-        f"{min(r.times):.2f}..{max(r.times):.2f}",
+        mib(r.peak),
+        f"{r.peak / base.peak:.2f}",
+        mib(r.rss_peak),
+        f"{r.first_step:.2f}",
+        f"{r.time:.3f}",
+        f"{min(r.times):.3f}..{max(r.times):.3f}",
         f"{r.time / base.time:.2f}x",
         f"{r.cpu_time / base.cpu_time:.2f}x",
-        "-" if math.isnan(r.grad_error) else f"{r.grad_error:.1e}",
-        "-" if math.isnan(r.band) else f"{r.band:.1e}",
-        "-" if math.isnan(r.truth_error) else f"{r.truth_error:.1e}",
-        "-" if math.isnan(r.backprop_truth_error) else f"{r.backprop_truth_error:.1e}",
+        "-" if r.recompiles is None else str(r.recompiles),
+        error(r.grad_error),
+        error(r.band),
+        error(r.truth_error),
+        error(r.backprop_truth_error),
         f"{r.fallbacks}/{r.passes}" if r.passes else "-",
+    )
+
+
+COMPILED_HEADERS = (
+    "model", "row", "steps", "eager step s", "compiled step s", "compiled vs eager", "first step s",
+    "compile s", "eager peak MiB", "compiled peak MiB", "peak vs eager", "eager RSS MiB",
+    "compiled RSS MiB", "recompiles", "graphs", "graph breaks",
+)  # fmt: skip
+
+
+def compiled_pairs(results: list[Result]) -> list[tuple[Result, Result]]:
+    """(eager, compiled) for every compiled result whose eager row ran beside it."""
+    eager = {(r.model, r.row, r.steps): r for r in results if not ALL_ROWS[r.row].compiled}
+    return [
+        (eager[(r.model, eager_twin(r.row), r.steps)], r)
+        for r in results
+        if ALL_ROWS[r.row].compiled and (r.model, eager_twin(r.row), r.steps) in eager
+    ]
+
+
+def round_ratios(r: Result, eager: Result) -> list[float]:
+    """``r``'s timed steps over ``eager``'s, round by round: the two stepped in turns, so each ratio
+    pairs steps taken moments apart (a busy machine's slow spell moves both)."""
+    return [mine / theirs for mine, theirs in zip(r.times, eager.times, strict=True)]
+
+
+def compiled_cells(eager: Result, r: Result) -> tuple[str, ...]:
+    """One compiled row beside its eager twin: step, compile (first step over a steady one), peaks."""
+    ratios = round_ratios(r, eager)
+    return (
+        r.model,
+        r.row,
+        r.steps if ALL_ROWS[r.row].integrator else "-",
+        f"{eager.time:.3f}",
+        f"{r.time:.3f} ({min(r.times):.3f}..{max(r.times):.3f})",
+        f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})",
+        f"{r.first_step:.1f}",
+        f"{r.first_step - r.time:.1f}",
+        mib(eager.peak),
+        mib(r.peak),
+        f"{r.peak / eager.peak:.2f}x",
+        mib(eager.rss_peak),
+        mib(r.rss_peak),
+        str(r.recompiles),
+        str(r.graphs),
+        str(r.graph_breaks),
     )
 
 
@@ -474,13 +691,58 @@ def targets(results: list[Result]) -> list[str]:
             f"reversible gradients vs backprop of the same manifestation: at most {max(errors):.1e} (fp32)"
         )
     for r in results:
-        if not math.isnan(r.truth_error):
+        if not math.isnan(r.truth_error) and not ALL_ROWS[r.row].compiled:
             ratio = r.truth_error / r.backprop_truth_error
             lines.append(
                 f"{r.model}, {r.row}: gradients {r.truth_error:.1e} from fp64 backprop, fp32 backprop "
                 f"{r.backprop_truth_error:.1e} (ratio {ratio:.2f})"
             )
+    for eager, r in compiled_pairs(results):
+        lines += _compiled_targets(eager, r, find(r.model, "odeify backprop", r.steps))
     return lines
+
+
+TIMED_COMPILED = ("odeify checkpoint", "odeify reversible ALF")
+"""The rows whose compiled step is to be no slower than their eager one (issue 58)."""
+PEAK_TOLERANCE = 1.05
+"""A compiled step keeps its mode's peak when it is at most this multiple of the eager step's (set
+before any compiled run: another fusion may hold a temporary more or less)."""
+GRADIENT_FACTOR = 4.0
+"""A compiled gradient is as accurate as eager fp32's when its distance from fp64 is at most this
+multiple of eager fp32 backprop's: tests/test_compile.py's bound for inductor."""
+
+
+def _compiled_targets(eager: Result, r: Result, backprop: Result | None) -> list[str]:
+    """A compiled row against its eager twin: step time, peak, recompilations, gradients; verdicts
+    where the issue sets a target (time: checkpoint and ALF; peak: the memory-saving modes;
+    gradients: every odeify mode), the figures alone for the others."""
+    name, row = f"{r.model}, {r.row}", ALL_ROWS[r.row]
+    memory_saving = row.integrator is not None and row.backward != "backprop"
+    ratio, peak = statistics.median(round_ratios(r, eager)), r.peak / eager.peak
+    beside = f", eager odeify backprop {backprop.peak / MB:.1f}" if backprop and memory_saving else ""
+    lines = [
+        f"{name}: step {r.time:.3f} s, eager {eager.time:.3f} s (per round {ratio:.2f}x"
+        f"{judged('no slower', ratio <= 1, eager.row in TIMED_COMPILED)}); the first step "
+        f"{r.first_step:.1f} s (eager's {eager.first_step:.1f} s)",
+        f"{name}: step peak {r.peak / MB:.1f} MiB, eager {eager.peak / MB:.1f}{beside} ({peak:.2f}x "
+        f"eager's{judged(f'its mode peak, <= {PEAK_TOLERANCE}x', peak <= PEAK_TOLERANCE, memory_saving)})",
+        f"{name}: {r.recompiles} frames compiled after the first step "
+        f"(target 0: {verdict(r.recompiles == 0)})",
+    ]
+    if not math.isnan(r.truth_error):
+        accuracy = r.truth_error / r.backprop_truth_error
+        odeify_row = row.integrator is not None
+        lines.append(
+            f"{name}: gradients {r.truth_error:.1e} from fp64, eager fp32 backprop "
+            f"{r.backprop_truth_error:.1e} ({accuracy:.2f}x"
+            f"{judged(f'<= {GRADIENT_FACTOR}x', accuracy <= GRADIENT_FACTOR, odeify_row)})"
+        )
+    return lines
+
+
+def judged(target: str, met: bool, asked: bool) -> str:
+    """'; target ...: met' after a figure where a target is ``asked`` for, else nothing."""
+    return f"; target {target}: {verdict(met)}" if asked else ""
 
 
 def _split_stage_rows(find) -> list[str]:
@@ -557,7 +819,7 @@ NOTES = """Reading the numbers:
   through a kink is not an inverse): its passes fall back to exact checkpointing from the stage
   input ('fallbacks'), which is why its gradients are exact and its time includes the failed
   attempt. The bytes saved are the same either way: the fallback's states live during backward
-  only (the RSS growth shows them).
+  only (the step peak shows them).
 - reversible Heun evaluates the field twice per step. On the default piecewise-constant weight
   path the two evaluations at a step boundary use different knots, so a native-depth stage costs
   twice the blocks' convolutions in forward, and again in backward; on a linear path consecutive
@@ -580,34 +842,54 @@ NOTES = """Reading the numbers:
   than wall-time ratios."""
 
 
+COMPILED_NOTE = """Each compiled row beside the eager row it compiles, from the table above.
+'compiled vs eager': the median (and range) of the two rows' step-time ratios round by round, each
+pairing steps taken moments apart. 'first step s' is the compiled row's first step, its cold
+compile included (an empty inductor cache per process); 'compile s' that first step less its median
+step. The peaks are the CPU allocator's (every storage a step allocates, a compiled graph's buffers
+included; not odeify.inspection.TensorPeak, under whose dispatch mode dynamo runs the model
+eagerly) and, where given, the RSS peak of a fresh process that hands freed blocks back at once.
+'recompiles': frames dynamo compiled after the first step, over all later steps of the row's
+process."""
+
+
+def compiled_section(results: list[Result]) -> list[str]:
+    """The compiled rows beside their eager twins, when the run has any."""
+    pairs = compiled_pairs(results)
+    if not pairs:
+        return []
+    table = markdown_table(COMPILED_HEADERS, (compiled_cells(e, r) for e, r in pairs), text_columns=3)
+    return ["## Compiled rows", "", COMPILED_NOTE, "", *table, ""]
+
+
 def markdown(
     results: list[Result],
+    args: argparse.Namespace,
     command: str,
-    repeats: tuple[int, int],
     png: str,
     load_before: str,
     failures: list[str],
-    weights: str = "random",
 ) -> str:
-    weakened = weights_phrase(weights)
+    weakened = weights_phrase(args.weights)
     lines = [
         "# Whole-model training step: timm against odeify's backward modes",
         "",
         f"Random-weight timm models (non-zero branches, randomised BN statistics{weakened}), batch "
-        f"{BATCH} of {SIZE}x{SIZE} images, fp32, cross-entropy, CPU. One process per configuration, "
-        "those of one model and steps alive together; 'step s' is the median wall time of "
-        f"{repeats[0]} steps ({repeats[1]} at 4x steps) after a warm-up and a measured step, taken in "
-        "turns (every round steps each configuration of the model and steps once). See the script's "
-        "docstring for the columns.",
+        f"{args.batch} of {args.img_size}x{args.img_size} images, fp32, cross-entropy, CPU. One process "
+        "per configuration, those of one model and steps alive together; 'step s' is the median wall "
+        f"time of {args.repeats} steps ({args.repeats_x4} at 4x steps) after a first and a measured step, "
+        "taken in turns (every round steps each configuration of the model and steps once). See the "
+        "script's docstring for the columns.",
         "",
         *markdown_table(HEADERS, (cells(r, results) for r in results), text_columns=3),
         "",
+        *compiled_section(results),
         *(bullets("Failed configurations:", failures) if failures else []),
         *bullets("Targets:", targets(results)),
         *profile_table(results),
         NOTES,
         "",
-        f"![saved bytes and step time per row]({png})",
+        f"![step peak and step time per row]({png})",
         "",
         *provenance(
             command, f"{describe_machine()}; load average (1, 5, 15 min) at the start: {load_before}"
@@ -616,7 +898,7 @@ def markdown(
     return "\n".join(lines)
 
 
-def plot(results: list[Result], path: Path) -> None:
+def plot(results: list[Result], path: Path, batch: int, size: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -630,16 +912,19 @@ def plot(results: list[Result], path: Path) -> None:
         rows = list(dict.fromkeys(r.row for r in mine))
         for k, steps in enumerate(STEPS):
             found = {r.row: r for r in mine if r.steps == steps}
+            if not found:
+                continue
             positions = [i + 0.4 * k for i, row in enumerate(rows) if row in found]
             label = f"{steps} steps" if k else "native steps (timm: its model)"
-            axes[0][column].bar(
-                positions, [found[row].saved / MB for row in rows if row in found], 0.4, label=label
-            )
-            axes[1][column].bar(
-                positions, [found[row].time / base.time for row in rows if row in found], 0.4, label=label
-            )
+            shown = [found[row] for row in rows if row in found]
+            axes[0][column].bar(positions, [r.peak / MB for r in shown], 0.4, label=label)
+            spread = [
+                [(r.time - min(r.times)) / base.time for r in shown],
+                [(max(r.times) - r.time) / base.time for r in shown],
+            ]
+            axes[1][column].bar(positions, [r.time / base.time for r in shown], 0.4, yerr=spread, label=label)
         for ax, ylabel in (
-            (axes[0][column], "saved for backward (MiB)"),
+            (axes[0][column], "step peak, CPU allocator (MiB)"),
             (axes[1][column], "step time / timm plain"),
         ):
             ax.set_xticks([i + 0.2 for i in range(len(rows))])
@@ -649,12 +934,17 @@ def plot(results: list[Result], path: Path) -> None:
             ax.grid(True, axis="y", alpha=0.3)
         axes[0][column].legend(fontsize=8)
         axes[1][column].axhline(1.8, color="gray", linestyle="--", linewidth=1)
-    fig.suptitle(f"one training step, batch {BATCH}, {SIZE}x{SIZE}, fp32, CPU")
+    fig.suptitle(f"one training step, batch {batch}, {size}x{size}, fp32, CPU")
     save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="compiled rows beside eager ones: python benchmarks/train_step.py --models resnet18 "
+        "--batch 8 --img-size 160 --steps native --rows timm 'timm + torch.compile' 'odeify checkpoint' "
+        "'odeify checkpoint + torch.compile' --repeats 7",
+    )
     parser.add_argument(
         "--models",
         nargs="+",
@@ -662,7 +952,15 @@ def main(argv: list[str] | None = None) -> int:
         default=MODELS,
         help=f"models to run (default: the ResNets; {VIT}, {SWIN}: a ViT and a Swin, split stages)",
     )
-    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="ways to train")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=list(ALL_ROWS),
+        default=list(ROWS),
+        metavar="ROW",
+        help=f"ways to train (default: every eager one: {', '.join(map(repr, ROWS))}); a row's name "
+        f"with '{COMPILED}' or '{NO_LAYOUT}' appended compiles it",
+    )
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS, help="manifestations")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps at native steps (median)")
     parser.add_argument("--repeats-x4", type=int, default=1, help="timed steps at 4x steps (median)")
@@ -679,21 +977,38 @@ def main(argv: list[str] | None = None) -> int:
         help="random: make_test_model's, every branch at full strength (default); trained-like: "
         "residual branches' last-norm gains scaled to a trained network's strength",
     )
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"images per step (default {BATCH})")
+    parser.add_argument("--img-size", type=int, default=SIZE, help=f"image side in pixels (default {SIZE})")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per process (default: torch's own choice)"
+    )
+    parser.add_argument(
+        "--rss-peak",
+        action="store_true",
+        help="also each row's RSS peak, in one more fresh process per row (compiled rows compile again)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "train_step.md", help="Markdown record")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=MODEL_CHOICES, help=argparse.SUPPRESS)
-    parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)
+    parser.add_argument("--row", choices=list(ALL_ROWS), help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=["time", "rss"], default="time", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         args.steps = args.steps[0] if isinstance(args.steps, list) else args.steps
         child(args)
         return 0
-    if min(args.repeats, args.repeats_x4) < 1:
-        parser.error("--repeats and --repeats-x4 must be at least 1")
+    if min(args.repeats, args.repeats_x4, args.batch, args.img_size) < 1 or args.threads < 0:
+        parser.error("--repeats, --repeats-x4, --batch and --img-size must be at least 1; --threads >= 0")
     if "timm" not in args.rows:
         parser.error("the ratios need the 'timm' row")
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the results file's machine line names the children's
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
     start = time.perf_counter()
+    options = [
+        "--weights", args.weights, "--batch", str(args.batch), "--img-size", str(args.img_size),
+        "--threads", str(args.threads),
+    ]  # fmt: skip
     results: list[Result] = []
     failures: list[str] = []
     repeats = {"native": args.repeats, "x4": args.repeats_x4}
@@ -704,12 +1019,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile and model == "resnet50" and steps == "native" and row in PROFILED
     }
     for group in groups(configs):
-        done, failed = measure_together(group, repeats, profiled, args.weights)
+        done, failed = measure_together(group, repeats, profiled, options)
         results += done
-        failures += failed
+        failures += failed + (add_rss_peaks(done, options) if args.rss_peak else [])
         for r in done:
             print(
-                f"  {r.model} {r.row:32s} {r.steps:6s} {r.saved / MB:7.0f} MiB {r.time:7.1f} s",
+                f"  {r.model} {r.row:48s} {r.steps:6s} {r.peak / MB:7.1f} MiB {r.time:7.3f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -721,10 +1036,9 @@ def main(argv: list[str] | None = None) -> int:
 
     command = command_line(__file__, argv)
     png = args.output.with_suffix(".png")
-    counts = (args.repeats, args.repeats_x4)
-    text = markdown(results, command, counts, png.name, load_before, failures, args.weights)
+    text = markdown(results, args, command, png.name, load_before, failures)
     write_results(args.output, text)
-    plot(results, png)
+    plot(results, png, args.batch, args.img_size)
     print(f"wrote {png}; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
     return 0
 
