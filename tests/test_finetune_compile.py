@@ -139,3 +139,27 @@ def test_the_average_and_a_refined_model_run_compiled(native) -> None:
         assert trainer.validated_output._orig_mod is trainer.ema.module is trainer.output
         assert not any(name.startswith("_orig_mod") for name in trainer.ema.module.state_dict())
         trainer.replace_model(refine(trainer.model))
+
+
+def test_inductor_compiles_a_recomputing_model_without_layout_copies(
+    native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor's layout_optimization saves channels_last copies for backward, which raised a compiled
+    checkpoint step's peak 34.5 -> 63.6 MiB (benchmarks/results/train_step_compiled.md): a model whose
+    stages recompute is compiled with it off, in the run's mode's options; a backprop model and a
+    teacher that is no converted model keep inductor's defaults."""
+    calls: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: calls.append(kwargs) or module)
+    compiling = TorchCompile("inductor", "max-autotune")
+    compiling(odeify.retarget(native, backward="checkpoint"))
+    compiling(odeify.retarget(native, integrator="alf", backward="reversible"))
+    compiling(odeify.retarget(native, backward="backprop"))
+    compiling(torch.nn.Linear(2, 2))
+    keeping = {"max_autotune": True, "layout_optimization": False}
+    assert [call.get("options", {}).items() >= keeping.items() for call in calls] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert [call.get("mode") for call in calls] == [None, None, "max-autotune", "max-autotune"]

@@ -14,6 +14,12 @@ how it ran (``EpochRecord.torchcompile``, summary.csv's ``torchcompile`` column)
 ``torch._dynamo.list_backends()`` does not name, a mode inductor does not know or a mode for
 another backend (which ignores it), inductor on the CPU without a C++ compiler and on CUDA without
 Triton.
+
+Inductor's ``layout_optimization`` (on by default) saves channels_last copies of a compiled
+region's conv inputs and weights for backward; in a model whose stages recompute in backward
+(checkpoint, reverse, reversible) those copies raised the step's peak toward backprop's (resnet18,
+batch 8, 160x160: checkpoint 34.5 -> 63.6 MiB; benchmarks/results/train_step_compiled.md). Such a
+model is compiled with it off, which keeps the eager peak at the eager step's speed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from odeify.compiler.conversion import converted_stages
 from odeify.core.errors import ConfigError
 
 __all__ = ["TorchCompile", "torch_compile"]
@@ -36,12 +43,28 @@ class TorchCompile:
     mode: str | None = None
 
     def __call__(self, module: nn.Module) -> nn.Module:
-        return torch.compile(module, backend=self.backend, mode=self.mode)
+        if self.backend != "inductor" or not _recomputes_in_backward(module):
+            return torch.compile(module, backend=self.backend, mode=self.mode)
+        return torch.compile(module, backend=self.backend, options=_keeping_layout(self.mode))
 
     @property
     def label(self) -> str:
         """What an epoch record and summary.csv note: ``inductor``, ``inductor:max-autotune``."""
         return self.backend if self.mode is None else f"{self.backend}:{self.mode}"
+
+
+def _keeping_layout(mode: str | None) -> dict[str, object]:
+    """Inductor's options for ``mode`` (torch.compile takes a mode or options, not both), with
+    ``layout_optimization`` off."""
+    from torch._inductor import list_mode_options
+
+    return {**(list_mode_options(mode) if mode is not None else {}), "layout_optimization": False}
+
+
+def _recomputes_in_backward(module: nn.Module) -> bool:
+    """A converted model with a stage whose backward is not backprop (the teacher, a source model
+    or an all-backprop model keeps inductor's defaults)."""
+    return any(stage.backward != "backprop" for stage in converted_stages(module))
 
 
 def torch_compile(
