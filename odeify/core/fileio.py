@@ -37,6 +37,7 @@ __all__ = [
     "SafetensorsHeader",
     "atomic_path",
     "atomic_write_bytes",
+    "atomic_write_tensors",
     "is_temp_of",
     "read_header",
     "read_json",
@@ -195,6 +196,26 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
+
+
+def atomic_write_tensors(
+    path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
+    """Write ``tensors`` (CPU, contiguous, none sharing memory) and ``metadata`` as a safetensors file
+    at ``path``, atomically, straight from the tensors' memory: ``safetensors.torch.save`` builds the
+    whole file in memory first, twice the tensors' bytes at its peak. An I/O error is the OSError it
+    was (safetensors reports it as a SafetensorError naming the OS error's number)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    with atomic_path(path) as tmp:
+        try:
+            safetensors.torch.save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as exc:
+            code = re.search(r"\(os error (\d+)\)", str(exc))
+            if code is None:
+                raise
+            raise OSError(int(code[1]), os.strerror(int(code[1])), str(tmp)) from exc
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ it computed; a model that keeps its source's tensors (:mod:`odeify.ir.source_ten
 refined or fine-tuned) records its source network's output too, the teacher fine-tuning distills
 from, which the model's own forward never reads. ``load`` runs the rebuilt model in float64 on the
 same input and compares: every probe point must lie within :data:`FACTOR` times the round-off of
-the rebuilt model, measured at load, and the first point past it is named.
+the rebuilt model, measured at load, and the first point past it is named. Each float64 run casts
+each weight where it is used (:mod:`odeify.serialization.cast_run`), never the whole model at once.
 
 The allowance is never read from the file: a file that could name its own allowance could switch
 its check off. Each recorded point still carries the round-off the saving machine measured (format
@@ -54,6 +55,7 @@ from odeify.core.dtypes import model_dtype
 from odeify.core.errors import ConfigError, ModelLoadError
 from odeify.ir.meta import node_tag
 from odeify.ir.source_tensors import SOURCE_PREFIX
+from odeify.serialization.cast_run import CastRun
 from odeify.serialization.file_schema import PROBE_OUTPUT, PROBE_SOURCE
 
 __all__ = ["FACTOR", "PROBE_PREFIX", "PROBE_SEED", "check_probe", "record_probe"]
@@ -183,10 +185,11 @@ def _measure_network(
         _float64_weight_bytes(model),
     )
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    own = _points(_on_cpu(model), x)
-    exact = _points(_on_cpu(model, torch.float64), x.double())
+    twin = _on_cpu(model)
+    own = _points(twin, x)
+    exact = _points(twin, x.double(), torch.float64)
     if dtype == torch.float64:  # no wider reference: float32's round-off, scaled to float64's unit round-off
-        low = _points(_on_cpu(model, torch.float32), x.float())
+        low = _points(twin, x.float(), torch.float32)
         scale = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
         errors = {k: scale * _distance(low[k], exact[k]) for k in exact}
     else:
@@ -240,7 +243,7 @@ def _peak_bytes(model: nn.Module, shape: tuple[int, ...]) -> int:
 
 def _float64_weight_bytes(model: nn.Module) -> int:
     """The bytes of the tensors ``model``'s file carries (its state dict, each tensor once), in float64
-    where they are floating: what the probe's float64 copy of them holds."""
+    where they are floating: what a float64 copy of them would hold."""
     tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()
     return sum(t.numel() * (8 if t.is_floating_point() else t.element_size()) for t in tensors)
 
@@ -263,42 +266,39 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def _on_cpu(model: nn.Module, dtype: torch.dtype | None = None) -> fx.GraphModule:
-    """An eval-mode copy of ``model`` on the CPU (in ``dtype``), so the probe never changes the caller's.
+def _on_cpu(model: nn.Module) -> fx.GraphModule:
+    """An eval-mode copy of ``model`` on the CPU, so the probe never changes the caller's.
 
-    Each parameter and buffer goes straight to the CPU and ``dtype`` in one step: a model training on a
-    GPU is never duplicated on the GPU, whose memory it may fill, and a float64 copy is never a float32
-    copy first (whose freed pieces the larger float64 ones could not reuse: 412M parameters went past
-    8 GiB). A CPU tensor that stays as it is is shared: the probe only reads it.
+    Each parameter and buffer goes straight to the CPU: a model training on a GPU is never duplicated
+    on the GPU, whose memory it may fill. A CPU tensor is shared: the probe only reads it.
     """
     memo: dict[int, Any] = {}
     for param in model.parameters():
-        memo[id(param)] = nn.Parameter(_cast(param.detach(), dtype), param.requires_grad)
+        memo[id(param)] = nn.Parameter(param.detach().cpu(), param.requires_grad)
     for buffer in model.buffers():
-        memo[id(buffer)] = _cast(buffer.detach(), dtype)
-    twin = copy.deepcopy(model, memo).cpu().eval()
-    return twin.to(dtype) if dtype is not None else twin
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``tensor`` on the CPU, in ``dtype`` where it is floating (None: its own)."""
-    return tensor.to("cpu", dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
+        memo[id(buffer)] = buffer.detach().cpu()
+    return copy.deepcopy(model, memo).cpu().eval()
 
 
 @torch.no_grad()
-def _points(model: fx.GraphModule, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The subsampled output of each stage (graph order) and of the model, on input ``x``."""
+def _points(
+    model: fx.GraphModule, x: torch.Tensor, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The subsampled output of each stage (graph order) and of the model, on input ``x``, computed
+    as a copy of ``model`` in ``dtype`` would (None: ``model`` as it is), without the copy: the
+    whole model's weights in float64 beside the model were the peak of save and load
+    (:mod:`odeify.serialization.cast_run`)."""
     watched = _stage_outputs(model)
     found: dict[str, torch.Tensor] = {}
 
-    class Recorder(fx.Interpreter):
+    class Recorder(CastRun):
         def run_node(self, node: fx.Node) -> Any:
             result = super().run_node(node)
             if node in watched and isinstance(result, torch.Tensor):
                 found[watched[node]] = _subsample(result)
             return result
 
-    out = Recorder(model).run(x)
+    out = Recorder(model, dtype).run(x)
     if isinstance(out, torch.Tensor):
         found[PROBE_OUTPUT] = _subsample(out)
     return found
