@@ -23,7 +23,8 @@ phase timed, and each phase's exception caught so that the others still report:
   ``odeify.load`` and the loaded model's output against the saved one's.
 
 The fp64 conversion runs last, after the float32 models are gone (the source turned into float64 in
-place), so that the child holds about as much as one convert does: a 412M-parameter ViT fits 8 GiB.
+place; each dropped converted model collected at once, a GraphModule and its graph being a reference
+cycle), so that the child holds about as much as one convert does: a 412M-parameter ViT fits 8 GiB.
 
 ``--out OUT`` writes OUT.csv, OUT.md and OUT_models.json (the zoo's choice, kept for the timm version
 that made it: choosing builds every timm model on meta, minutes). The parent appends each row to the
@@ -44,6 +45,7 @@ import argparse
 import copy
 import csv
 import datetime
+import gc
 import io
 import json
 import os
@@ -328,16 +330,19 @@ class Child:
                 half(x)
             row["retarget"] = "ok"
             del half
+            gc.collect()  # a GraphModule and its graph refer to each other: only the collector frees them
         with tempfile.TemporaryDirectory() as folder, self.phase("save", errors="save_load"):
             path = Path(folder) / "model.safetensors"
             try:
                 odeify.save(converted, path)
             finally:  # its output is kept: one model fewer while the loaded one is checked and in fp64
                 del converted
+                gc.collect()
             loaded = odeify.load(path)
             with torch.no_grad():
                 loaded_out = loaded(x)
             del loaded
+            gc.collect()
             diff = max_abs(loaded_out, converted_out)
             row["save_load"] = (
                 "ok" if torch.equal(loaded_out, converted_out) or diff <= roundoff else f"{diff:.1e}"
