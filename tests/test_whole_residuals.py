@@ -79,13 +79,16 @@ def test_coat_saves_and_loads_bit_for_bit(tmp_path) -> None:
 
 
 class _PositionConv(nn.Module):
-    """CoaT's ConvPosEnc as timm writes it; ``cls_last`` puts the class token at the end, and
-    ``scrambled`` flattens the image transposed, so the tokens do not come back in their order."""
+    """CoaT's ConvPosEnc as timm writes it; ``cls_last`` puts the class token at the end,
+    ``scrambled`` flattens the image transposed, so the tokens do not come back in their order, and
+    ``rotated`` puts the class token back at the other end."""
 
-    def __init__(self, dim: int, size: int, cls_last: bool = False, scrambled: bool = False) -> None:
+    def __init__(
+        self, dim: int, size: int, cls_last: bool = False, scrambled: bool = False, rotated: bool = False
+    ) -> None:
         super().__init__()
         self.proj = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-        self.size, self.cls_last, self.scrambled = size, cls_last, scrambled
+        self.size, self.cls_last, self.scrambled, self.rotated = size, cls_last, scrambled, rotated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
@@ -93,7 +96,7 @@ class _PositionConv(nn.Module):
         feat = img.transpose(1, 2).view(B, C, self.size, self.size)
         y = self.proj(feat) + feat
         y = (y.transpose(2, 3) if self.scrambled else y).flatten(2).transpose(1, 2)
-        return torch.cat((y, cls) if self.cls_last else (cls, y), dim=1)
+        return torch.cat((y, cls) if self.cls_last != self.rotated else (cls, y), dim=1)
 
 
 class _WholePositionConv(_PositionConv):
@@ -163,5 +166,14 @@ def test_a_slice_that_does_not_come_back_in_order_stays_as_written() -> None:
     converted = odeify.convert(written, input_size=(2, 3, 16, 16))
     assert {s.depth for s in converted_stages(converted)} == {1}, "each position conv and MLP alone"
     assert any(n.target is torch.cat for n in converted.graph.nodes if n.op == "call_function")
+    with torch.no_grad():
+        assert rel(converted(_image(size=16)), written(_image(size=16))) <= NATIVE_TOLERANCE
+
+
+def test_a_class_token_put_back_at_the_other_end_stays_as_written() -> None:
+    """cat((y, x[:, :1])): the slices split the stream, but in the other order (tokens rotate)."""
+    written, _ = _token_nets(rotated=True)
+    converted = odeify.convert(written, input_size=(2, 3, 16, 16))
+    assert {s.depth for s in converted_stages(converted)} == {1}
     with torch.no_grad():
         assert rel(converted(_image(size=16)), written(_image(size=16))) <= NATIVE_TOLERANCE
