@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from odeify.passes.contract import PassResult, graph_pass, transformation
 from odeify.passes.glue import GlueError, replay_layout
-from odeify.passes.graph_utils import data_nodes, is_add_join, is_metadata_query
-from odeify.passes.periods import LAYOUT_OPS
+from odeify.passes.graph_utils import data_nodes, is_add_join
+from odeify.passes.periods import layout_source
 from odeify.passes.properties import BLOCKS, RUNS, SHAPES
 from odeify.passes.tracing import node_shape
 
@@ -93,7 +93,7 @@ def _match_order(
     """The match with ``kept`` passed through and ``updated`` the slice the add changed, or None."""
     whole, kept_range = _slice_along(kept, dim)
     back = _layout_chain(updated, data)
-    join = _data_source(back[0], data) if back else updated
+    join = layout_source(back[0], data) if back else updated
     if whole is None or not is_add_join(join) or any(len(n.users) != 1 for n in (join, *back[:-1])):
         return None
     shape = node_shape(join)
@@ -102,7 +102,7 @@ def _match_order(
     kept_first = kept is cat.args[0][0]
     for update, side in (join.args, join.args[::-1]):
         into = _layout_chain(side, data)
-        start = _data_source(into[0], data) if into else side
+        start = layout_source(into[0], data) if into else side
         source, rest = _slice_along(start, dim)
         if source is not whole or not _complementary(kept_range, rest, node_shape(whole)[dim], kept_first):
             continue
@@ -170,24 +170,10 @@ def _reads(node: fx.Node, source: fx.Node, data: set[str]) -> bool:
 def _layout_chain(node: fx.Node, data: set[str]) -> tuple[fx.Node, ...]:
     """The layout nodes ending at ``node``, first to last, each reading the one before."""
     chain: list[fx.Node] = []
-    while _is_layout(node, data):
+    while (source := layout_source(node, data)) is not None:
         chain.append(node)
-        node = _data_source(node, data)
+        node = source
     return tuple(reversed(chain))
-
-
-def _data_source(node: fx.Node, data: set[str]) -> fx.Node:
-    """The one data input of a layout node."""
-    return next(i for i in node.all_input_nodes if i.name in data)
-
-
-def _is_layout(node: fx.Node, data: set[str]) -> bool:
-    """A node that only rearranges its one data input (no parameter, no metadata read)."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if node.op not in ("call_method", "call_function") or name not in LAYOUT_OPS or is_metadata_query(node):
-        return False
-    inputs = node.all_input_nodes
-    return sum(i.name in data for i in inputs) == 1 and not any(i.op == "get_attr" for i in inputs)
 
 
 def _round_trip(

@@ -92,7 +92,7 @@ def _link(previous: Block, block: Block, g: _Graph) -> tuple[fx.Node, ...] | Non
     glue: list[fx.Node] = []
     node = g.nodes[block.fork]
     while node.name != previous.output:
-        source = _glue_source(node, g)
+        source = layout_source(node, g.data)
         if source is None or len(glue) == MAX_GLUE:
             return None
         glue.insert(0, node)
@@ -107,8 +107,9 @@ def _link(previous: Block, block: Block, g: _Graph) -> tuple[fx.Node, ...] | Non
     return tuple(glue)
 
 
-def _glue_source(node: fx.Node, g: _Graph) -> fx.Node | None:
-    """The one data input of a layout node that reads no parameter, or None if ``node`` is no glue."""
+def layout_source(node: fx.Node, data: set[str]) -> fx.Node | None:
+    """The one data input of ``node`` if it only rearranges it (a :data:`LAYOUT_OPS` node reading no
+    parameter and no metadata), else None."""
     if node.op == "call_method":
         name = node.target
     elif node.op == "call_function":
@@ -118,7 +119,7 @@ def _glue_source(node: fx.Node, g: _Graph) -> fx.Node | None:
     if name not in LAYOUT_OPS or is_metadata_query(node):
         return None
     inputs = node.all_input_nodes
-    sources = [inp for inp in inputs if inp.name in g.data]
+    sources = [inp for inp in inputs if inp.name in data]
     if len(sources) != 1 or any(inp.op == "get_attr" for inp in inputs):
         return None
     return sources[0]
@@ -205,7 +206,7 @@ def _trailing_glue(block: Block, g: _Graph) -> tuple[fx.Node, ...]:
     node = g.nodes[block.output]
     while len(glue) < MAX_GLUE:
         users = [u for u in node.users if u.name in g.live and u.name in g.data]
-        if len(users) != 1 or _glue_source(users[0], g) is not node:
+        if len(users) != 1 or layout_source(users[0], g.data) is not node:
             break
         node = users[0]
         glue.append(node)
